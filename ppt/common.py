@@ -1,0 +1,117 @@
+"""Shared runtime plumbing: device and dtype autodetect, DDP from torchrun's environment, logging, cache dir."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class PPTError(Exception):
+    """A user-facing error: its message names the problem and the fix. Scripts print it and exit 2."""
+
+
+def cache_dir() -> Path:
+    """Where shards, tokenizers, checkpoints and reports live: $PPT_CACHE, else ~/.cache/ppt."""
+    return Path(os.environ.get("PPT_CACHE") or Path.home() / ".cache" / "ppt").expanduser()
+
+
+def autodetect_device() -> torch.device:
+    if torch.cuda.is_available():  # also true on ROCm builds
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_DTYPES |= {"fp32": torch.float32, "float32": torch.float32}
+
+
+def autodetect_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA SM80+ and ROCm, fp32 elsewhere; PPT_DTYPE (bf16|fp16|fp32) overrides."""
+    override = os.environ.get("PPT_DTYPE")
+    if override:
+        if override.lower() not in _DTYPES:
+            raise PPTError(f"PPT_DTYPE={override!r} is not a dtype; use one of bf16, fp16, fp32")
+        return _DTYPES[override.lower()]
+    if device.type == "cuda":
+        if torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] >= 8:
+            return torch.bfloat16
+    return torch.float32
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs: rank, world, device, and the dtype matmuls run in."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_runtime(device: str | None = None) -> Runtime:
+    """Read torchrun's RANK/LOCAL_RANK/WORLD_SIZE, start the process group when world > 1, pick device and dtype."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device(device) if device else autodetect_device()
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
+    return Runtime(rank, local_rank, world_size, dev, autodetect_dtype(dev))
+
+
+def shutdown_runtime() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def print0(*args: object, **kwargs: object) -> None:
+    """print on rank 0 only, flushed so logs interleave sanely under torchrun."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def warn0(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def compile_works(device: torch.device) -> bool:
+    """Compile and run a tiny function; False (with a one-line warning) when the toolchain is unusable."""
+    try:
+
+        def probe(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.silu(x) * 2 + 1
+
+        x = torch.randn(8, device=device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = torch.compile(probe)(x)
+        return bool(torch.allclose(out, probe(x), atol=1e-5))
+    except Exception as exc:  # any compile failure means: run eager
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        warn0(f"torch.compile is unavailable here ({first_line}); running eager")
+        return False
