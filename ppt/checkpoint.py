@@ -1,0 +1,119 @@
+"""Atomic checkpoints: model, optimizer, loader state, RNG states, step and config in one file per step.
+
+A checkpoint is `<dir>/step_<NNNNNNNN>.pt`, written to a temporary name and renamed, so a kill mid-write never
+leaves a file that looks complete. Loading uses `weights_only=True`: a checkpoint can hold only tensors and plain
+containers, never code. `latest_checkpoint` skips anything that is not a complete, loadable file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppt.common import PPTError
+
+_NAME = re.compile(r"^step_(\d{8})\.pt$")
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step_{step:08d}.pt"
+
+
+def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete-looking checkpoint file, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: int = 0) -> Path:
+    """Write payload atomically as step_<step>.pt; then, and only then, prune to the newest `keep` (0 keeps all)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({**payload, "step": step}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise PPTError(
+            f"could not write checkpoint {final} ({exc.strerror or exc}); the previous checkpoint is untouched. "
+            "Free disk space or pass a writable --out-dir, then resume with --resume auto"
+        ) from exc
+    if keep > 0:
+        for _, old in list_checkpoints(directory)[:-keep]:
+            old.unlink(missing_ok=True)
+    return final
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise PPTError(f"checkpoint {path} does not exist; pass a step_*.pt file or --resume auto")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise PPTError(f"checkpoint {path} is unreadable or incomplete ({type(exc).__name__}); delete it") from exc
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """Newest checkpoint that loads; incomplete or corrupt files are skipped with their names printed."""
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return path
+        except Exception:
+            print(f"warning: skipping unreadable checkpoint {path}", flush=True)
+    return None
+
+
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two config dicts (empty when they agree)."""
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{k}: checkpoint={saved.get(k, '<absent>')!r} run={current.get(k, '<absent>')!r}"
+        for k in keys
+        if saved.get(k) != current.get(k)
+    ]
+
+
+def ensure_writable(directory: Path, needed_bytes: int) -> None:
+    """Fail before training starts when the output dir is unwritable or lacks room for two checkpoints."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write_probe{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise PPTError(f"output directory {directory} is not writable ({exc.strerror}); pass --out-dir DIR") from exc
+    free = shutil.disk_usage(directory).free
+    if free < 2 * needed_bytes:
+        raise PPTError(
+            f"only {free / 1e9:.2f} GB free under {directory}, a checkpoint needs about {needed_bytes / 1e9:.2f} GB "
+            "(two must fit while the older is replaced); free space or pass --out-dir on a larger disk"
+        )

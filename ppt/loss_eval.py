@@ -1,0 +1,57 @@
+"""Validation NLL (nats/token) and bits-per-byte, the same code for every architecture.
+
+bits-per-byte = sum of target-token NLL (nats) / (ln 2 * sum of raw bytes of those target tokens), over targets
+that are ordinary tokens: special tokens (0 bytes, e.g. EOT) are excluded from both sums, and ignored targets
+(-1) from everything. Sums are accumulated in float64 and all-reduced across ranks, so the number does not depend
+on the batch size or the world size for the same token budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
+    """Mixed precision for matmuls when the compute dtype is lower than fp32; a no-op otherwise."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate_bpb(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor, Tensor]],
+    token_bytes: Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """NLL and bits-per-byte over `batches` of (inputs, targets, doc_pos); the model is left in its prior mode."""
+    was_training = model.training
+    model.eval()
+    device = token_bytes.device
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nll_all, tokens, nll_bytes, bytes
+    for inputs, targets, doc_pos in batches:
+        with autocast(inputs.device, dtype):
+            nll = model(inputs, targets, doc_pos, reduction="none").double()
+        valid = targets >= 0
+        nbytes = torch.where(valid, token_bytes[targets.clamp_min(0)], 0).double()
+        counted = nbytes > 0
+        sums += torch.stack([nll[valid].sum(), valid.sum().double(), nll[counted].sum(), nbytes.sum()])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    model.train(was_training)
+    nll_all, tokens, nll_bytes, nbytes = sums.tolist()
+    if tokens == 0:
+        raise ValueError("evaluate_bpb got no target tokens; the validation split is empty")
+    return {
+        "nll": nll_all / tokens,
+        "bpb": nll_bytes / (math.log(2) * nbytes) if nbytes else float("nan"),
+        "tokens": int(tokens),
+        "bytes": int(nbytes),
+    }

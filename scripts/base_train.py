@@ -1,0 +1,334 @@
+"""Pretrain a model from ppt/model.py on prepared shards: the fixed training loop, top to bottom.
+
+python -m scripts.base_train --config smollm-135m --target-tokens 1e9
+torchrun --nproc_per_node=8 -m scripts.base_train --config smollm-360m --target-tokens 20e9
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ppt import checkpoint as ckpt
+from ppt.common import PPTError, cache_dir, compile_works, init_runtime, print0, shutdown_runtime, warn0
+from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
+from ppt.flops import mfu_flops_per_token, peak_flops
+from ppt.loss_eval import autocast, evaluate_bpb
+from ppt.model import CONFIGS, build_model, get_config
+from ppt.optim import build_optimizer, lr_multiplier, set_lr
+from ppt.report import RunReport
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)} (default smollm-360m unless --depth)")
+    g.add_argument("--depth", type=int, help="the scaling dial: width, heads and batch derived from depth")
+    g = p.add_argument_group("data and batch")
+    g.add_argument("--data-dir", type=Path, help="prepared shards (default <cache>/data/fineweb-edu)")
+    g.add_argument("--seq-len", type=int, help="tokens per row (default min(2048, the config's max_seq_len))")
+    g.add_argument("--total-batch-tokens", type=int, help="tokens per optimizer step, all ranks (default 524288)")
+    g.add_argument("--device-batch-size", type=int, help="rows per forward on one device; accumulation derived")
+    g.add_argument("--target-tokens", type=float, help="training budget in tokens (default 20 x parameters)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--optimizer", choices=["adamw", "muon", "aurora"], default="adamw")
+    g.add_argument("--lr", type=float, help="peak learning rate (default per optimizer)")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--schedule", choices=["constant", "cosine", "wsd"], default="wsd")
+    g.add_argument("--warmup-tokens", type=float, help="LR warmup length in tokens (default 1%% of the budget)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 disables)")
+    g.add_argument("--skip-nonfinite", type=int, default=0, help="skip up to N steps whose loss/grad is NaN/inf")
+    g = p.add_argument_group("run")
+    g.add_argument("--tag", help="checkpoint/report name (default: the config name or d<depth>)")
+    g.add_argument("--out-dir", type=Path, help="checkpoint dir (default <cache>/checkpoints/<tag>)")
+    g.add_argument("--eval-every", type=int, default=250, help="steps between val bpb (0: only at the end)")
+    g.add_argument("--eval-tokens", type=float, default=10_485_760, help="val tokens per evaluation")
+    g.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0 keeps all)")
+    g.add_argument("--resume", help="'auto' (latest complete checkpoint in --out-dir, if any) or a checkpoint path")
+    g.add_argument("--run", help="wandb run name; wandb stays off without it")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="torch.compile (auto: on CUDA)")
+    g.add_argument("--log-every", type=int, default=1)
+    g.add_argument("--max-steps", type=int, help="stop after this many steps (benchmarks, smoke tests)")
+    g.add_argument("--device", help="override the device (cpu, cuda, mps)")
+    return p.parse_args(argv)
+
+
+DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02, "aurora": 2**-3}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rt = init_runtime(args.device)
+    torch.manual_seed(args.seed)
+
+    # ---- model config, tokenizer and data ----------------------------------------------------------------------
+    if args.config is None and args.depth is None:
+        args.config = "smollm-360m"
+    config = get_config(args.config, args.depth)
+    data_dir = args.data_dir or default_data_dir()
+    tokenizer = load_data_tokenizer(data_dir)
+    if tokenizer.vocab_size != config.vocab_size:
+        print0(
+            f"note: vocab_size {config.vocab_size} -> {tokenizer.vocab_size} to match {tokenizer.name} in {data_dir}"
+        )
+        config = dataclasses.replace(config, vocab_size=tokenizer.vocab_size)
+    seq_len = args.seq_len or min(2048, config.max_seq_len)
+    if seq_len > config.max_seq_len:
+        raise PPTError(f"--seq-len {seq_len} exceeds the config's max_seq_len {config.max_seq_len}; lower --seq-len")
+    total_batch = args.total_batch_tokens or 524_288
+    device_batch = args.device_batch_size or max(1, min(32, total_batch // (seq_len * rt.world_size)))
+    tokens_per_micro = device_batch * seq_len * rt.world_size
+    if total_batch % tokens_per_micro:
+        raise PPTError(
+            f"--total-batch-tokens {total_batch} is not divisible by device batch x seq-len x world "
+            f"({device_batch} x {seq_len} x {rt.world_size} = {tokens_per_micro}); choose sizes that divide"
+        )
+    grad_accum = total_batch // tokens_per_micro
+
+    # ---- model, built on meta then materialized, so a 360M model never allocates twice ------------------------
+    with torch.device("meta"):
+        model = build_model(config)
+    model.to_empty(device=rt.device)
+    model.init_weights()
+    n_params = sum(p.numel() for p in model.parameters())
+    target_tokens = int(args.target_tokens or 20 * n_params)
+    total_steps = max(1, target_tokens // total_batch)
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    flops = mfu_flops_per_token(model, seq_len)
+    peak = peak_flops(rt.device, rt.dtype)
+
+    optimizer = build_optimizer(
+        model, args.optimizer, lr=args.lr or DEFAULT_LR[args.optimizer], weight_decay=args.weight_decay
+    )
+    warmup_steps = round((args.warmup_tokens or 0.01 * target_tokens) / total_batch)
+    train_loader = DataLoader(
+        data_dir,
+        "train",
+        device_batch,
+        seq_len,
+        rt.rank,
+        rt.world_size,
+        args.seed,
+        rt.device,
+        expected_fingerprint=tokenizer.fingerprint,
+    )
+    token_bytes = tokenizer.token_bytes().to(rt.device)
+
+    # ---- output dir and resume ---------------------------------------------------------------------------------
+    tag = args.tag or args.config or f"d{args.depth}"
+    out_dir = args.out_dir or cache_dir() / "checkpoints" / tag
+    if rt.is_master:
+        ckpt.ensure_writable(out_dir, needed_bytes=n_params * 4 * 3)
+    config_dict = {"class": type(config).__name__, **dataclasses.asdict(config)}
+    start_step, tokens_seen, history = 0, 0, []
+    resume_path = None
+    if args.resume == "auto":
+        resume_path = ckpt.latest_checkpoint(out_dir)
+    elif args.resume:
+        resume_path = Path(args.resume)
+    if resume_path is not None:
+        state = ckpt.load_checkpoint(resume_path, map_location=rt.device)
+        if diff := ckpt.config_mismatch(state["config"], config_dict):
+            raise PPTError(f"checkpoint {resume_path} is from another config: " + "; ".join(diff))
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        train_loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        start_step, tokens_seen, history = state["step"], state["tokens"], state.get("history", [])
+        print0(f"resumed from {resume_path} at step {start_step}")
+
+    # ---- compile and DDP --------------------------------------------------------------------------------------
+    use_compile = args.compile == "on" or (args.compile == "auto" and rt.device.type == "cuda")
+    train_model = torch.compile(model) if use_compile and compile_works(rt.device) else model
+    if rt.distributed:
+        train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+
+    report = RunReport(tag, [cache_dir() / "reports", out_dir], enabled=rt.is_master)
+    report.history = history
+    report.update(
+        config=config_dict,
+        tokenizer={"name": tokenizer.name, "fingerprint": tokenizer.fingerprint, "demo": tokenizer.is_demo},
+        data={"dir": str(data_dir), "fingerprint": train_loader.fingerprint()},
+        train={
+            "seq_len": seq_len,
+            "total_batch_tokens": total_batch,
+            "device_batch_size": device_batch,
+            "grad_accum": grad_accum,
+            "world_size": rt.world_size,
+            "optimizer": args.optimizer,
+            "lr": args.lr or DEFAULT_LR[args.optimizer],
+            "schedule": args.schedule,
+            "steps": total_steps,
+            "target_tokens": target_tokens,
+            "seed": args.seed,
+            "dtype": str(rt.dtype),
+            "compile": use_compile,
+        },
+        params=n_params,
+        flops_per_token=flops,
+    )
+    wandb_run = None
+    if args.run and rt.is_master:
+        import wandb
+
+        wandb_run = wandb.init(project="ppt", name=args.run, config=report.data)
+
+    print0(
+        f"{tag}: {n_params / 1e6:.1f}M params, {total_steps} steps x {total_batch} tokens "
+        f"(device batch {device_batch} x {seq_len}, accum {grad_accum}, world {rt.world_size}), "
+        f"{rt.device} {str(rt.dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}, "
+        f"{flops['mfu'] / 1e9:.3f} GFLOP/token"
+    )
+
+    stop_signal: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+
+    def save(step: int) -> None:
+        if rt.is_master:
+            payload = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "config": config_dict,
+                "loader": train_loader.state_dict(),
+                "rng": ckpt.rng_state(),
+                "tokens": tokens_seen,
+                "history": report.history,
+                "tokenizer_fingerprint": tokenizer.fingerprint,
+            }
+            path = ckpt.save_checkpoint(out_dir, step, payload, keep=args.keep)
+            print0(f"saved {path}")
+
+    def evaluate(step: int) -> dict[str, float]:
+        val_loader = DataLoader(
+            data_dir,
+            "val",
+            device_batch,
+            seq_len,
+            rt.rank,
+            rt.world_size,
+            0,
+            rt.device,
+            expected_fingerprint=tokenizer.fingerprint,
+        )
+        result = evaluate_bpb(model, val_loader.val_batches(int(args.eval_tokens)), token_bytes, rt.dtype)
+        print0(
+            f"step {step:6d} | val nll {result['nll']:.4f} | val bpb {result['bpb']:.4f} ({result['tokens']} tokens)"
+        )
+        report.log_step(step=step, tokens=tokens_seen, val_nll=result["nll"], val_bpb=result["bpb"])
+        return result
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    skipped = 0
+    step = start_step
+    train_iter = iter(train_loader)
+    last_saved = start_step
+    while step < total_steps and not stop_signal:
+        t0 = time.perf_counter()
+        set_lr(optimizer, lr_multiplier(step, total_steps, warmup_steps, args.schedule))
+        loss_sum = torch.zeros((), device=rt.device)
+        for micro in range(grad_accum):
+            inputs, targets, doc_pos = next(train_iter)
+            sync = micro == grad_accum - 1 or not rt.distributed
+            with nullcontext() if sync else train_model.no_sync(), autocast(rt.device, rt.dtype):
+                loss = train_model(inputs, targets, doc_pos)
+            (loss / grad_accum).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+        train_loss = loss_sum / grad_accum
+        if rt.distributed:
+            torch.distributed.all_reduce(train_loss, op=torch.distributed.ReduceOp.AVG)
+        loss_value = train_loss.item()  # one host sync per step: the step takes far longer than the sync
+        if not (math.isfinite(loss_value) and torch.isfinite(grad_norm)):
+            skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            if skipped > args.skip_nonfinite:
+                save_note = f"the last good checkpoint is {ckpt.latest_checkpoint(out_dir) or 'none (no save yet)'}"
+                raise PPTError(
+                    f"non-finite loss/gradient at step {step} (loss {loss_value}); {save_note}. "
+                    "Lower --lr, or pass --skip-nonfinite N to skip such steps"
+                )
+            warn0(f"step {step}: non-finite loss/gradient, step skipped ({skipped}/{args.skip_nonfinite})")
+            step += 1
+            continue
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += total_batch
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        tok_per_s = total_batch / dt
+        mfu = flops["mfu"] * tok_per_s / (peak * rt.world_size) if peak else None
+        report.log_step(
+            step=step,
+            tokens=tokens_seen,
+            loss=loss_value,
+            lr=optimizer.param_groups[0]["lr"],
+            tok_per_s=tok_per_s,
+            step_time=dt,
+            **({"mfu": mfu} if mfu is not None else {}),
+        )
+        if step % args.log_every == 0 or step == total_steps:
+            mfu_text = f" | mfu {100 * mfu:5.1f}%" if mfu is not None else ""
+            print0(
+                f"step {step:6d}/{total_steps} | loss {loss_value:.4f} | lr {optimizer.param_groups[0]['lr']:.2e} "
+                f"| {tok_per_s:,.0f} tok/s | {1000 * dt:.0f} ms{mfu_text}"
+            )
+            if wandb_run:
+                wandb_run.log(report.history[-1], step=step)
+        if args.eval_every and step % args.eval_every == 0 and step < total_steps:
+            evaluate(step)
+        if args.save_every and step % args.save_every == 0 and step < total_steps:
+            save(step)
+            last_saved = step
+        if step % 50 == 0:
+            report.write()
+
+    # ---- end of run: save first, so an evaluation crash loses nothing ----------------------------------------
+    if step != last_saved:
+        save(step)
+    if stop_signal:
+        print0(f"stopped by signal {stop_signal[0]} at step {step}; resume with --resume auto")
+        report.update(stopped_at=step)
+        report.write()
+        shutdown_runtime()
+        sys.exit(128 + stop_signal[0])
+    final = evaluate(step)
+    report.update(
+        final_val=final,
+        steps_done=step,
+        tokens=tokens_seen,
+        skipped_nonfinite_steps=skipped,
+        finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    report.write()
+    plot = report.plot(out_dir / f"{tag}_loss.png")
+    if rt.is_master:
+        print0(f"report: {report.paths[0]}")
+        if plot:
+            print0(f"loss curve: {plot}")
+        print0(f"checkpoint: {ckpt.latest_checkpoint(out_dir)}")
+    if wandb_run:
+        wandb_run.finish()
+    shutdown_runtime()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except PPTError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,20 @@
+# Sourced by the other scripts: make sure uv exists, then sync the project environment with the given extras.
+# Usage: source scripts/env.sh; ppt_env --extra cpu --extra dev
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+ppt_env() {
+    if ! command -v uv >/dev/null 2>&1; then
+        echo "uv not found: installing it with python3 -m pip install uv" >&2
+        python3 -m pip install --quiet uv
+        export PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$HOME/.local/bin:$PATH"
+    fi
+    uv sync --quiet --frozen "$@"
+}
+
+# The extra that matches this machine; the lock installs PyPI's torch for all of them.
+ppt_backend() {
+    if command -v nvidia-smi >/dev/null 2>&1; then echo gpu
+    elif command -v rocm-smi >/dev/null 2>&1; then echo rocm
+    else echo cpu; fi
+}

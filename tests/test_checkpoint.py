@@ -1,0 +1,80 @@
+import json
+
+import pytest
+import torch
+
+from ppt import checkpoint as ckpt
+from ppt.common import PPTError
+from ppt.report import RunReport
+
+
+def payload(value: float) -> dict:
+    return {"model": {"w": torch.full((3,), value)}, "config": {"class": "C", "a": 1}, "rng": ckpt.rng_state()}
+
+
+def test_save_load_round_trip_and_latest(tmp_path):
+    for step in (10, 20, 30):
+        ckpt.save_checkpoint(tmp_path, step, payload(step))
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [10, 20, 30]
+    latest = ckpt.latest_checkpoint(tmp_path)
+    state = ckpt.load_checkpoint(latest)
+    assert state["step"] == 30 and torch.equal(state["model"]["w"], torch.full((3,), 30.0))
+
+
+def test_keep_prunes_only_after_the_new_file_is_complete(tmp_path):
+    for step in range(1, 6):
+        ckpt.save_checkpoint(tmp_path, step, payload(step), keep=2)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 5]
+
+
+def test_latest_skips_partial_and_corrupt_files(tmp_path):
+    ckpt.save_checkpoint(tmp_path, 1, payload(1.0))
+    good = ckpt.save_checkpoint(tmp_path, 2, payload(2.0))
+    (tmp_path / "step_00000003.pt.tmp123").write_bytes(b"half a file")  # a kill mid-write
+    ckpt.checkpoint_path(tmp_path, 4).write_bytes(good.read_bytes()[:100])  # truncated by a full disk
+    assert ckpt.latest_checkpoint(tmp_path) == good
+
+
+def test_load_refuses_code_objects(tmp_path):
+    path = tmp_path / "step_00000001.pt"
+    torch.save({"model": {}, "evil": print}, path)  # a pickled callable must not be loaded
+    with pytest.raises(PPTError, match="unreadable"):
+        ckpt.load_checkpoint(path)
+    with pytest.raises(PPTError, match="does not exist"):
+        ckpt.load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_rng_round_trip():
+    state = ckpt.rng_state()
+    a = torch.rand(4)
+    ckpt.set_rng_state(state)
+    assert torch.equal(torch.rand(4), a)
+
+
+def test_config_mismatch_names_fields():
+    diff = ckpt.config_mismatch({"class": "Llama", "n_layer": 4, "d": 8}, {"class": "Llama", "n_layer": 6, "d": 8})
+    assert diff == ["n_layer: checkpoint=4 run=6"]
+
+
+def test_unwritable_output_dir_fails_early(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(PPTError, match="not writable"):
+        ckpt.ensure_writable(blocker / "sub", 10)
+    with pytest.raises(PPTError, match="GB free"):
+        ckpt.ensure_writable(tmp_path, 10**18)
+
+
+def test_report_writes_manifest_and_plot(tmp_path):
+    report = RunReport("run1", [tmp_path / "a", tmp_path / "b"])
+    report.update(config={"n_layer": 2})
+    for i in range(5):
+        report.log_step(step=i, tokens=100 * i, loss=5.0 - i)
+    report.log_step(step=4, tokens=400, val_bpb=2.0)
+    report.write()
+    for d in ("a", "b"):
+        data = json.loads((tmp_path / d / "run1.json").read_text())
+        assert data["config"] == {"n_layer": 2} and len(data["history"]) == 6
+        assert "torch" in data["hardware"] and "commit" in data["git"]
+    png = report.plot(tmp_path / "curve.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
