@@ -2,8 +2,13 @@
 
 bits-per-byte = sum of target-token NLL (nats) / (ln 2 * sum of raw bytes of those target tokens), over targets
 that are ordinary tokens: special tokens (0 bytes, e.g. EOT) are excluded from both sums, and ignored targets
-(-1) from everything. Sums are accumulated in float64 and all-reduced across ranks, so the number does not depend
-on the batch size or the world size for the same token budget.
+(-1) from everything. Bytes come from `Tokenizer.token_bytes()`, the raw bytes each token stands for, so a token
+holding part of a UTF-8 character counts only the bytes it holds.
+
+`nll` is the mean over every non-ignored target, EOT included (the usual "val loss"). Sums are accumulated in
+float64 in a fixed order and all-reduced across ranks, so the numbers do not depend on the batch size or the world
+size for the same token budget, and the same checkpoint on the same data gives the same numbers every time.
+Document boundaries are the loader's `doc_pos`: no token is predicted from another document.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from ppt.common import PPTError
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
@@ -31,24 +38,30 @@ def evaluate_bpb(
     token_bytes: Tensor,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
-    """NLL and bits-per-byte over `batches` of (inputs, targets, doc_pos); the model is left in its prior mode."""
+    """NLL and bits-per-byte over `batches` of (inputs, targets, doc_pos); the model is left in its prior mode.
+
+    Returns `nll` (nats per target token), `bpb`, and the counts behind them: `tokens` (targets scored) and
+    `bytes` (raw bytes of the targets that count towards bpb), both summed over ranks.
+    """
     was_training = model.training
     model.eval()
-    device = token_bytes.device
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nll_all, tokens, nll_bytes, bytes
-    for inputs, targets, doc_pos in batches:
-        with autocast(inputs.device, dtype):
-            nll = model(inputs, targets, doc_pos, reduction="none").double()
-        valid = targets >= 0
-        nbytes = torch.where(valid, token_bytes[targets.clamp_min(0)], 0).double()
-        counted = nbytes > 0
-        sums += torch.stack([nll[valid].sum(), valid.sum().double(), nll[counted].sum(), nbytes.sum()])
+    sums = torch.zeros(4, dtype=torch.float64, device=token_bytes.device)  # nll_all, tokens, nll_bytes, bytes
+    try:
+        for inputs, targets, doc_pos in batches:
+            with autocast(inputs.device, dtype):
+                nll = model(inputs, targets, doc_pos, reduction="none")
+            nll, targets = nll.to(sums.device, torch.float64), targets.to(sums.device)
+            valid = targets >= 0
+            nbytes = torch.where(valid, token_bytes[targets.clamp_min(0)], 0).double()
+            counted = nbytes > 0
+            sums += torch.stack([nll[valid].sum(), valid.sum().double(), nll[counted].sum(), nbytes.sum()])
+    finally:
+        model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(sums)
-    model.train(was_training)
     nll_all, tokens, nll_bytes, nbytes = sums.tolist()
     if tokens == 0:
-        raise ValueError("evaluate_bpb got no target tokens; the validation split is empty")
+        raise PPTError("evaluate_bpb got no target tokens: the validation split is empty; prepare data first")
     return {
         "nll": nll_all / tokens,
         "bpb": nll_bytes / (math.log(2) * nbytes) if nbytes else float("nan"),

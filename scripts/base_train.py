@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="torch.compile (auto: on CUDA)")
     g.add_argument("--log-every", type=int, default=1)
-    g.add_argument("--max-steps", type=int, help="stop after this many steps (benchmarks, smoke tests)")
+    g.add_argument("--max-steps", type=int, help="stop at this step without changing the LR schedule (benchmarks)")
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
     return p.parse_args(argv)
 
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     target_tokens = int(args.target_tokens or 20 * n_params)
     total_steps = max(1, target_tokens // total_batch)
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
+    last_step = min(total_steps, args.max_steps or total_steps)  # --max-steps stops early; the schedule is unchanged
     flops = mfu_flops_per_token(model, seq_len)
     peak = peak_flops(rt.device, rt.dtype)
 
@@ -235,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     step = start_step
     train_iter = iter(train_loader)
     last_saved = start_step
-    while step < total_steps and not stop_signal:
+    while step < last_step and not stop_signal:
         t0 = time.perf_counter()
         set_lr(optimizer, lr_multiplier(step, total_steps, warmup_steps, args.schedule))
         loss_sum = torch.zeros((), device=rt.device)
@@ -281,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             step_time=dt,
             **({"mfu": mfu} if mfu is not None else {}),
         )
-        if step % args.log_every == 0 or step == total_steps:
+        if step % args.log_every == 0 or step == last_step:
             mfu_text = f" | mfu {100 * mfu:5.1f}%" if mfu is not None else ""
             print0(
                 f"step {step:6d}/{total_steps} | loss {loss_value:.4f} | lr {optimizer.param_groups[0]['lr']:.2e} "
@@ -289,9 +288,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             if wandb_run:
                 wandb_run.log(report.history[-1], step=step)
-        if args.eval_every and step % args.eval_every == 0 and step < total_steps:
+        if args.eval_every and step % args.eval_every == 0 and step < last_step:
             evaluate(step)
-        if args.save_every and step % args.save_every == 0 and step < total_steps:
+        if args.save_every and step % args.save_every == 0 and step < last_step:
             save(step)
             last_saved = step
         if step % 50 == 0:

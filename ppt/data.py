@@ -1,0 +1,431 @@
+"""Token shards on disk, and the loader that packs them into training rows.
+
+Shard format, version 1. A fixed 1024-byte little-endian header, then the tokens:
+
+    offset  bytes  field
+    0       8      magic b"PPTSHARD"
+    8       4      format version, uint32 (1)
+    12      4      bytes per token, uint32: 2 (uint16 tokens, vocab <= 65536) or 4 (uint32 tokens)
+    16      8      token count, uint64
+    24      4      vocab size, uint32
+    28      4      EOT id, uint32
+    32      4      flags, uint32: bit 0 set when the offline demo tokenizer made the tokens
+    36      32     tokenizer fingerprint: sha256 digest of the canonical tokenizer JSON
+    68      32     sha256 digest of the token bytes (so a hash of the headers covers the content)
+    100     64     tokenizer name, UTF-8, NUL-padded
+    164     860    zeros
+    1024    ...    the tokens
+
+The token stream of every shard starts with EOT and every document is followed by EOT, so each document is preceded
+by the EOT that begins it (SPEC.md, "Documents and packing").
+
+Data directory (made by `python -m scripts.prepare_fineweb`):
+
+    <data_dir>/val_00000.bin        the first documents of the source
+    <data_dir>/train_00000.bin ...  the documents after them; never overlapping val
+    <data_dir>/tokenizer.json       the tokenizer that made the shards
+    <data_dir>/meta.json            source, tokenizer (name, fingerprint, is_demo), doc and token counts, progress
+
+Packing: each shard's stream is cut into rows of T+1 consecutive tokens, row i = tokens[i*T : i*T+T+1]; inputs are
+row[:-1] and targets row[1:]. `doc_pos` restarts at 0 at every EOT in the inputs and at the row start (a fragment
+at a row start is treated as a fresh document). Each epoch permutes the shard order and the row order inside each
+shard from (seed, epoch); global row g goes to rank g % world_size, so ranks are disjoint and together cover the
+epoch (the last < world_size rows of an epoch are dropped so every rank gets as many).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ppt.common import PPTError, cache_dir, warn0
+from ppt.tokenizer import Tokenizer, load_tokenizer
+
+MAGIC = b"PPTSHARD"
+VERSION = 1
+HEADER_BYTES = 1024
+_HEADER = struct.Struct("<8sIIQIII32s32s64s")
+FLAG_DEMO = 1
+SPLITS = ("train", "val")
+PREPARE_HINT = (
+    "create it with `python -m scripts.prepare_fineweb` (or `python -m scripts.prepare_fineweb --source demo` offline)"
+)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard header says."""
+
+    path: Path
+    num_tokens: int
+    vocab_size: int
+    eot_id: int
+    dtype: np.dtype
+    tokenizer_fingerprint: str
+    tokenizer_name: str
+    is_demo: bool
+    tokens_sha256: str
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def _describe_tokenizer(name: str, fingerprint: str, is_demo: bool | None = None) -> str:
+    kind = " (the offline demo BPE)" if is_demo else ""
+    return f"{name or 'an unnamed tokenizer'}{kind}, fingerprint {fingerprint[:16]}"
+
+
+def write_shard(
+    path: str | Path,
+    tokens: np.ndarray,
+    *,
+    vocab_size: int,
+    eot_id: int,
+    fingerprint: str,
+    demo: bool,
+    tokenizer_name: str = "",
+) -> ShardInfo:
+    """Write one shard atomically (temp file, then rename). The stream must start with EOT and fit the vocab."""
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise PPTError(f"a shard needs a non-empty 1-D integer token array, got {tokens.dtype} shape {tokens.shape}")
+    out_of_vocab = (tokens < 0) | (tokens >= vocab_size)
+    if out_of_vocab.any():
+        pos = int(np.flatnonzero(out_of_vocab)[0])
+        raise PPTError(
+            f"token id {int(tokens[pos])} at position {pos} is outside the vocabulary (size {vocab_size}) of "
+            f"{tokenizer_name or 'the tokenizer'}; the tokens come from a different tokenizer than the one named"
+        )
+    if tokens[0] != eot_id:
+        raise PPTError(f"a shard's token stream must start with EOT ({eot_id}), got {int(tokens[0])}")
+    if len(fingerprint) != 64:
+        raise PPTError(f"tokenizer fingerprint must be a sha256 hex digest, got {fingerprint!r}")
+    data = tokens.astype(token_dtype(vocab_size), copy=False).tobytes()
+    tokens_sha256 = hashlib.sha256(data).digest()
+    name_bytes = tokenizer_name.encode("utf-8")[:64]
+    header = _HEADER.pack(
+        MAGIC,
+        VERSION,
+        token_dtype(vocab_size).itemsize,
+        tokens.size,
+        vocab_size,
+        eot_id,
+        FLAG_DEMO if demo else 0,
+        bytes.fromhex(fingerprint),
+        tokens_sha256,
+        name_bytes,
+    ).ljust(HEADER_BYTES, b"\0")
+    _atomic_write(path, [header, data])
+    return ShardInfo(
+        path,
+        tokens.size,
+        vocab_size,
+        eot_id,
+        token_dtype(vocab_size),
+        fingerprint,
+        name_bytes.decode("utf-8", errors="ignore"),
+        demo,
+        tokens_sha256.hex(),
+    )
+
+
+def _atomic_write(path: Path, chunks: list[bytes]) -> None:
+    """Write to a temp file beside `path`, fsync, rename: a reader sees the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_shard(
+    path: str | Path, expected_fingerprint: str | None = None, expected_name: str | None = None
+) -> tuple[ShardInfo, np.memmap]:
+    """Validate a shard's header and size and memory-map its tokens.
+
+    With `expected_fingerprint`, a shard made by another tokenizer raises PPTError naming both tokenizers.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PPTError(f"shard {path} does not exist; {PREPARE_HINT}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
+        raise PPTError(f"{path} is not a ppt shard (bad magic number); re-run prepare: {PREPARE_HINT}")
+    magic, version, itemsize, num_tokens, vocab_size, eot_id, flags, fp, tokens_sha, name = _HEADER.unpack_from(raw)
+    if version != VERSION:
+        raise PPTError(f"{path} has shard format version {version}, this ppt reads {VERSION}; re-run prepare")
+    dtype = token_dtype(vocab_size)
+    if itemsize != dtype.itemsize:
+        raise PPTError(
+            f"{path} has a corrupt header ({itemsize} bytes per token for vocab {vocab_size}); re-run prepare"
+        )
+    expected_size = HEADER_BYTES + num_tokens * itemsize
+    if size != expected_size:
+        problem = "truncated shard" if size < expected_size else "shard has trailing bytes"
+        raise PPTError(
+            f"{path}: {problem} ({size} bytes, header says {expected_size}); delete it and re-run prepare, "
+            "which resumes where it stopped"
+        )
+    info = ShardInfo(
+        path,
+        num_tokens,
+        vocab_size,
+        eot_id,
+        dtype,
+        fp.hex(),
+        name.rstrip(b"\0").decode("utf-8", errors="ignore"),
+        bool(flags & FLAG_DEMO),
+        tokens_sha.hex(),
+    )
+    if expected_fingerprint is not None and info.tokenizer_fingerprint != expected_fingerprint:
+        made_by = _describe_tokenizer(info.tokenizer_name, info.tokenizer_fingerprint, info.is_demo)
+        raise PPTError(
+            f"{path} was tokenized with {made_by}, but this run expects "
+            f"{_describe_tokenizer(expected_name or '', expected_fingerprint)}; "
+            "use the tokenizer the shards were made with, or re-run prepare with this tokenizer into another --out"
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
+    return info, tokens
+
+
+# ---- the data directory ------------------------------------------------------------------------------------------
+
+
+def default_data_dir(source: str = "fineweb") -> Path:
+    """Where prepare writes and training reads by default: per source under `cache_dir()/data/`."""
+    names = {"fineweb": "fineweb-edu", "demo": "demo"}
+    return cache_dir() / "data" / names.get(source, "local")
+
+
+def shard_path(data_dir: str | Path, split: str, index: int) -> Path:
+    return Path(data_dir) / f"{split}_{index:05d}.bin"
+
+
+def list_shards(data_dir: str | Path, split: str) -> list[Path]:
+    """The split's shards in index order; PPTError naming the prepare command when there are none."""
+    if split not in SPLITS:
+        raise PPTError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise PPTError(f"data directory {data_dir} does not exist; {PREPARE_HINT}")
+    paths = sorted(data_dir.glob(f"{split}_[0-9][0-9][0-9][0-9][0-9].bin"))
+    if not paths:
+        raise PPTError(f"no {split} shards in {data_dir}; {PREPARE_HINT}")
+    return paths
+
+
+def read_meta(data_dir: str | Path) -> dict[str, Any]:
+    path = Path(data_dir) / "meta.json"
+    if not path.is_file():
+        raise PPTError(f"{path} is missing; {PREPARE_HINT}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PPTError(f"{path} is not valid JSON ({exc}); delete the data directory and re-run prepare") from exc
+
+
+def write_meta(data_dir: str | Path, meta: dict[str, Any]) -> None:
+    _atomic_write(Path(data_dir) / "meta.json", [json.dumps(meta, indent=2).encode("utf-8")])
+
+
+def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:
+    """The tokenizer that made this directory's shards, with the name and demo flag prepare recorded."""
+    recorded = read_meta(data_dir)["tokenizer"]
+    loaded = load_tokenizer(Path(data_dir) / "tokenizer.json")
+    if loaded.fingerprint != recorded["fingerprint"]:
+        raise PPTError(
+            f"{data_dir}/tokenizer.json does not match the fingerprint in meta.json; the directory was modified, "
+            "delete it and re-run prepare"
+        )
+    return Tokenizer(loaded.backend, recorded["name"], is_demo=recorded["is_demo"])
+
+
+def dataset_fingerprint(data_dir: str | Path) -> str:
+    """sha256 over every shard's name and header (headers hold a hash of the tokens): identifies the data."""
+    digest = hashlib.sha256()
+    for split in SPLITS:
+        for path in list_shards(data_dir, split):
+            with open(path, "rb") as f:
+                digest.update(path.name.encode() + f.read(HEADER_BYTES))
+    return digest.hexdigest()
+
+
+# ---- the loader --------------------------------------------------------------------------------------------------
+
+
+class DataLoader:
+    """Infinite iterator of `(inputs int64 (B,T), targets int64 (B,T), doc_pos int32 (B,T))` for one rank.
+
+    `split="train"` shuffles per epoch; `split="val"` keeps file order (use `val_batches` for a fixed budget).
+    `state_dict()` is the same on every rank, so resuming from rank 0's state resumes all ranks exactly.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        split: str,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        expected_fingerprint: str | None = None,
+    ) -> None:
+        if batch_size < 1 or seq_len < 1:
+            raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+        if not 0 <= rank < world_size:
+            raise PPTError(f"rank {rank} is outside world size {world_size}")
+        self.data_dir = Path(data_dir)
+        self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.device = torch.device(device)
+        self.shuffle = split == "train"
+
+        shards = [read_shard(p, expected_fingerprint) for p in list_shards(self.data_dir, split)]
+        self.infos = [info for info, _ in shards]
+        self.tokens = [tokens for _, tokens in shards]
+        first = self.infos[0]
+        for info in self.infos[1:]:
+            if (info.tokenizer_fingerprint, info.eot_id) != (first.tokenizer_fingerprint, first.eot_id):
+                raise PPTError(
+                    f"{info.path} and {first.path} were made by different tokenizers; "
+                    "re-run prepare into an empty --out directory"
+                )
+        self.eot_id = first.eot_id
+        self.vocab_size = first.vocab_size
+        self.tokenizer_fingerprint = first.tokenizer_fingerprint
+        self.rows_per_shard = np.array([(info.num_tokens - 1) // seq_len for info in self.infos], dtype=np.int64)
+        self.total_rows = int(self.rows_per_shard.sum())
+        self.rows_per_rank = self.total_rows // world_size
+        if self.rows_per_rank == 0:
+            total = sum(info.num_tokens for info in self.infos)
+            raise PPTError(
+                f"the {split} split of {self.data_dir} has {total} tokens, too few for one row of seq_len {seq_len} "
+                f"per rank ({world_size} ranks); lower seq_len or prepare more data"
+            )
+        self.epoch, self.position = 0, 0  # position: index into this rank's rows of the current epoch
+        self._file_order = (np.arange(len(self.infos)), np.cumsum(self.rows_per_shard))
+        self._layout: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative rows)
+        self._row_perms: dict[int, np.ndarray] = {}  # this epoch's row permutation of each shard reached so far
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        """Input tokens all ranks together see in one epoch."""
+        return self.rows_per_rank * self.world_size * self.seq_len
+
+    def fingerprint(self) -> str:
+        return dataset_fingerprint(self.data_dir)
+
+    # -- order
+
+    def _locate(self, epoch: int, global_row: int, shuffle: bool) -> tuple[int, int]:
+        """(shard index, row inside that shard) of an epoch's global row number."""
+        if not shuffle:
+            order, row_ends = self._file_order
+        else:
+            if self._layout is None or self._layout[0] != epoch:
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.infos))
+                self._layout, self._row_perms = (epoch, order, np.cumsum(self.rows_per_shard[order])), {}
+            _, order, row_ends = self._layout
+        slot = int(np.searchsorted(row_ends, global_row, side="right"))
+        shard = int(order[slot])
+        local = global_row - (int(row_ends[slot - 1]) if slot else 0)
+        if not shuffle:
+            return shard, local
+        if shard not in self._row_perms:
+            rng = np.random.default_rng([self.seed, epoch, shard])
+            self._row_perms[shard] = rng.permutation(int(self.rows_per_shard[shard]))
+        return shard, int(self._row_perms[shard][local])
+
+    def _batch(self, locations: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Build a batch from (shard, row) pairs."""
+        T = self.seq_len
+        rows = np.stack([self.tokens[shard][row * T : row * T + T + 1] for shard, row in locations]).astype(np.int64)
+        inputs, targets = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
+        positions = np.arange(T)
+        # the latest document start at or before each position: an EOT, else the row start (position 0)
+        last_start = np.maximum.accumulate(np.where(inputs == self.eot_id, positions, 0), axis=1)
+        doc_pos = (positions - last_start).astype(np.int32)
+        return self._to_device(inputs), self._to_device(targets), self._to_device(doc_pos)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
+
+    # -- iteration and resume
+
+    def __iter__(self) -> DataLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        locations = []
+        for _ in range(self.batch_size):
+            if self.position == self.rows_per_rank:
+                self.epoch, self.position = self.epoch + 1, 0
+            global_row = self.position * self.world_size + self.rank
+            locations.append(self._locate(self.epoch, global_row, self.shuffle))
+            self.position += 1
+        return self._batch(locations)
+
+    def state_dict(self) -> dict[str, int | str]:
+        return {
+            "split": self.split,
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "world_size": self.world_size,
+            "total_rows": self.total_rows,
+        }
+
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        for key in ("split", "seed", "seq_len", "world_size"):
+            if state[key] != getattr(self, key):
+                raise PPTError(
+                    f"the data loader state was saved with {key}={state[key]}, but this run has "
+                    f"{key}={getattr(self, key)}; resume with the same settings"
+                )
+        if state["total_rows"] != self.total_rows:
+            warn0(
+                f"{self.data_dir} changed since the loader state was saved ({state['total_rows']} rows, now "
+                f"{self.total_rows}); the resumed batch order will differ from an uninterrupted run"
+            )
+        self.epoch, self.position = int(state["epoch"]), min(int(state["position"]), self.rows_per_rank)
+
+    def val_batches(self, max_tokens: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The first `max_tokens` input tokens of the split (summed over ranks) in file order, this rank's share.
+
+        Every rank yields the same number of batches; the last may hold fewer than `batch_size` rows.
+        Does not move the loader's own position.
+        """
+        rows_each = min(max_tokens // (self.seq_len * self.world_size), self.rows_per_rank)
+        if rows_each == 0:
+            raise PPTError(
+                f"a val budget of {max_tokens} tokens is less than one row of {self.seq_len} tokens per rank "
+                f"({self.world_size} ranks); raise the budget or lower seq_len"
+            )
+        for start in range(0, rows_each, self.batch_size):
+            stop = min(start + self.batch_size, rows_each)
+            yield self._batch([self._locate(0, k * self.world_size + self.rank, False) for k in range(start, stop)])

@@ -1,0 +1,802 @@
+"""Where a training step's compute goes: an analytic cost model derived from the model itself.
+
+`cost(model, batch_size, seq_len, dtype)` runs one forward+backward of the model on the meta device (shapes only:
+no memory, no arithmetic), sees every aten op with its shapes, and sorts the work into a table: FLOPs and bytes per
+op class (matmul, elementwise, reduction, selection) for the primal (forward) and adjoint (backward) pass, with the
+arithmetic intensity of each row. Bytes are the logical operand I/O of the unfused algorithm: every op reads its
+inputs and writes its outputs. They are not measured memory traffic; fusion and caches move fewer bytes.
+
+Nothing reads config field names, so an edited model.py is measured as written:
+- matmul FLOPs come from torch.utils.flop_counter's formulas, so they equal FlopCounterMode's exactly;
+- `F.scaled_dot_product_attention` counts as one fused (flash) op: no T x T scores in memory, and a backward that
+  recomputes the scores, as FlopCounterMode counts it. No causal halving, here or in the MFU convention;
+- a custom op (a Triton kernel) counts through the formula registered beside it in a module-level `COST_FORMULAS`
+  dict of any loaded `ppt.*` module (or torch's `register_flop_formula`); one without a formula raises, since it
+  would otherwise count as zero;
+- an aten op that fits no class is counted as elementwise and listed loudly.
+
+MFU (`mfu_flops_per_token`) follows nanochat/torchtitan: 6 FLOPs per matmul parameter per token (a tied head once),
+plus three times the forward FLOPs of every activation-by-activation matmul (q.k and p.v of attention: 12*L*H*Q*T per
+token for SDPA; a custom mixer's registered FLOPs). `peak_flops` gives the denominator. `utilization` and the device
+table relate a cost to a roofline. `python -m ppt.flops --config smollm-360m --device h100` prints it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.module_tracker import ModuleTracker
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ppt.common import PPTError, warn0
+
+OP_CLASSES = ("matmul", "elementwise", "reduction", "selection")
+PASSES = ("primal", "adjoint")
+Row = tuple[str, str]  # (pass, op class)
+OpKey = tuple[str, str, str, str, torch.dtype]  # (pass, op class, model part, aten op, dtype)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Op classification. Matmuls are the ops torch.utils.flop_counter has formulas for; views and metadata are free;
+# torch tags most elementwise ops `pointwise` and most reductions `reduction`; the tables below cover the rest.
+
+_FREE = {  # no data moves: allocation, metadata, aliasing
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "numel", "dim", "is_contiguous",
+    "_has_compatible_shallow_copy_type", "set_", "resize_", "_assert_async", "_assert_tensor_metadata",
+}  # fmt: skip
+_WRITES = {  # fills and random draws: they write their output and compute nothing worth counting
+    "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "fill",
+    "fill_", "zero_", "scalar_tensor", "arange", "linspace", "logspace", "eye", "rand", "randn", "randint",
+    "rand_like", "randn_like", "randint_like", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
+}  # fmt: skip
+_OVERWRITE_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_"}
+_ELEMENTWISE = {"native_dropout", "native_dropout_backward", "hardswish", "glu", "glu_backward"}  # untagged
+_SELECTION = {  # move or pick elements: gathers, scatters, copies, concatenation, sorting
+    "embedding", "embedding_dense_backward", "index_select", "gather", "index", "_unsafe_index", "take",
+    "masked_select", "nonzero", "cat", "stack", "clone", "_to_copy", "copy", "copy_", "lift_fresh_copy", "repeat",
+    "repeat_interleave", "constant_pad_nd", "flip", "roll", "tril", "triu", "slice_scatter", "select_scatter",
+    "diagonal_scatter", "as_strided_scatter", "slice_backward", "select_backward", "index_put", "index_put_",
+    "_index_put_impl_", "index_add", "index_add_", "scatter", "scatter_", "scatter_add", "scatter_add_",
+    "scatter_reduce", "masked_scatter", "sort", "topk", "argsort", "searchsorted", "bucketize", "nll_loss_backward",
+}  # fmt: skip
+# Scatter-adds do one add per accumulated element: the position of the argument that holds those elements.
+_ACCUMULATED_ARG = {
+    "embedding_dense_backward": 0,
+    "index_add": 3,
+    "index_add_": 3,
+    "scatter_add": 3,
+    "scatter_add_": 3,
+    "scatter_reduce": 3,
+    "index_put": 2,
+    "index_put_": 2,
+    "_index_put_impl_": 2,
+}
+# Fused reductions, as FLOPs per element of their first input: softmax is max, subtract, exp, sum, divide; its
+# backward multiply, sum, subtract, multiply; layer norm mean, subtract, square, sum, scale, gain, bias; RMS norm
+# square, sum, scale, gain; norm backwards about twice their forward. nll_loss gathers and sums one per target.
+_REDUCTION_FLOPS_PER_ELEMENT = {
+    "_softmax": 5, "_log_softmax": 5, "_safe_softmax": 5, "_softmax_backward_data": 4,
+    "_log_softmax_backward_data": 4, "native_layer_norm": 7, "native_layer_norm_backward": 10,
+    "_fused_rms_norm": 4, "_fused_rms_norm_backward": 8, "native_group_norm": 7, "native_batch_norm": 7,
+    "cumsum": 1, "cumprod": 1, "cummax": 1, "cummin": 1, "logcumsumexp": 3, "mse_loss": 3,
+    "binary_cross_entropy_with_logits": 5,
+}  # fmt: skip
+_PER_TARGET = {"nll_loss_forward", "nll_loss2d_forward"}
+
+
+def _vector_product_flops(*args: object, **kwargs: object) -> int:
+    """mv, addmv, dot, vdot: 2 FLOPs per element of the matrix (or vector) operand."""
+    operands = [a for a in args if isinstance(a, torch.Tensor)]
+    return 2 * max(t.numel() for t in operands)
+
+
+_MATMUL_EXTRA = {"mv": _vector_product_flops, "addmv": _vector_product_flops, "dot": _vector_product_flops,
+                 "vdot": _vector_product_flops}  # fmt: skip
+
+_SHADOW_MAX = 4096  # parameter-derived tensors up to this size keep real values during the trace (see _Trace)
+
+
+def _distinct_elements(t: torch.Tensor) -> int:
+    """Elements an op must touch: broadcast (stride-0) dimensions hold one copy of the data."""
+    return math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0)
+
+
+def _part(modules: set[str]) -> str:
+    """The model part an op runs in: the innermost module, two levels deep, layer indices dropped (blocks.mlp)."""
+    innermost = max(modules, key=len, default="")
+    names = [n for n in innermost.split(".")[1:] if not n.isdigit()]  # [1:]: the root is the model's class name
+    return ".".join(names[:2]) or "(top level)"
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _compute_dtype(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> torch.dtype:
+    """The dtype an op computes in: its first floating operand's, else its first tensor's."""
+    for t in inputs + outputs:
+        if t.dtype.is_floating_point:
+            return t.dtype
+    return (inputs + outputs)[0].dtype
+
+
+def registered_cost_formulas() -> dict[object, Callable[..., object]]:
+    """Every `COST_FORMULAS` dict of the loaded `ppt.*` modules, merged (kernels register theirs beside the op).
+
+    A formula is called with the op's own arguments and returns {"flops": matmul FLOPs, "bytes": operand bytes}
+    (or FLOPs per class under the keys of OP_CLASSES, or a bare number of matmul FLOPs); keys are ops, op packets
+    or "namespace::name" strings.
+    """
+    formulas: dict[object, Callable[..., object]] = {}
+    for name, module in list(sys.modules.items()):
+        if name == "ppt" or name.startswith("ppt."):
+            formulas.update(getattr(module, "COST_FORMULAS", None) or {})
+    return formulas
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trace
+
+
+class _Trace(TorchDispatchMode):
+    """Sees every aten op of one forward+backward and books its FLOPs and bytes by (pass, op class, dtype).
+
+    It also tags tensors that depend on the batch (the token ids): a matmul with an operand that does not is a
+    weight matmul (its FLOPs give the N of 6N); one whose operands all do is an activation matmul (attention).
+    Small parameter-derived tensors keep real values beside their meta twins ("shadows"), so a cost formula sees,
+    say, a learned per-head window and counts only in-window pairs.
+    """
+
+    def __init__(self, params: list[torch.Tensor], shadows: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.phase = "primal"
+        self.flops: dict[Row, Counter] = defaultdict(Counter)
+        self.bytes: dict[Row, Counter] = defaultdict(Counter)
+        self.weight_flops = 0.0  # forward FLOPs of matmuls with a batch-independent matrix operand
+        self.attention_flops = 0.0  # forward FLOPs of matmuls whose matrix operands all depend on the batch
+        self.unclassified: Counter = Counter()
+        self.ops: dict[OpKey, list[float]] = defaultdict(lambda: [0.0, 0.0])  # FLOPs, bytes
+        self.op_name = ""  # the op being booked
+        self.modules = ModuleTracker()
+        self.formulas = registered_cost_formulas()
+        self._params = {id(p): p for p in params}
+        self.params_used: set[int] = set()
+        self._batch_dependent = WeakIdKeyDictionary()
+        self._shadow = WeakIdKeyDictionary({p: shadows[id(p)] for p in params if id(p) in shadows})
+
+    def mark_batch(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self._batch_dependent[t] = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201 (torch's hook)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        self.params_used.update(id(t) for t in inputs if id(t) in self._params)
+        if self.phase == "primal":
+            self._propagate(func, args, kwargs, inputs, outputs)
+        self._book(func, args, kwargs, out, inputs, outputs)
+        return out
+
+    def _propagate(self, func, args, kwargs, inputs, outputs) -> None:  # noqa: ANN001
+        if any(t in self._batch_dependent for t in inputs):
+            self.mark_batch(*outputs)
+            return
+        if inputs and all(t in self._shadow for t in inputs) and all(t.numel() <= _SHADOW_MAX for t in outputs):
+            swap = lambda x: self._shadow.get(x, x) if isinstance(x, torch.Tensor) else x
+            to_cpu = lambda x: torch.device("cpu") if isinstance(x, torch.device) else x
+            try:
+                real = func(*tree_map(swap, args), **tree_map(to_cpu, tree_map(swap, kwargs)))
+            except Exception:  # shadows only refine formulas; an op that will not replay just ends them
+                return
+            for meta_t, real_t in zip(outputs, _tensors(real)):
+                self._shadow[meta_t] = real_t
+
+    def _is_weight_matmul(self, inputs: list[torch.Tensor]) -> bool:
+        matrices = [t for t in inputs if t.dtype.is_floating_point and t.dim() >= 2]
+        return any(t not in self._batch_dependent for t in matrices)
+
+    def record(self, op_class: str, flops: float, dtype: torch.dtype, operands: list[torch.Tensor],
+               total_bytes: float | None = None) -> None:  # fmt: skip
+        row = (self.phase, op_class)
+        self.flops[row][dtype] += flops
+        booked = self.ops[(*row, _part(self.modules.parents), self.op_name, dtype)]
+        booked[0] += flops
+        if total_bytes is not None:
+            self.bytes[row][dtype] += total_bytes
+            booked[1] += total_bytes
+        for t in operands:
+            nbytes = _distinct_elements(t) * t.element_size()
+            self.bytes[row][t.dtype] += nbytes
+            booked[1] += nbytes
+
+    def _book(self, func, args, kwargs, out, inputs, outputs) -> None:  # noqa: ANN001
+        name = self.op_name = func._opname
+        if func.namespace not in ("aten", "prims"):
+            self._book_custom(func, args, kwargs, out, inputs, outputs)
+            return
+        if name in _FREE or func.is_view or not (inputs or outputs):
+            return
+        reads = inputs[1:] if name in _OVERWRITE_SELF else inputs
+        operands, dtype = reads + outputs, _compute_dtype(inputs, outputs)
+        if func.overloadpacket in flop_registry or name in _MATMUL_EXTRA:
+            formula = flop_registry.get(func.overloadpacket) or _MATMUL_EXTRA[name]
+            flops = formula(*args, **kwargs, out_val=out)
+            self._book_matmul(flops, inputs)
+            self.record("matmul", flops, dtype, operands)
+        elif name in _SELECTION:
+            self.record("selection", self._accumulated(name, args, kwargs), dtype, operands)
+        elif name in _REDUCTION_FLOPS_PER_ELEMENT:
+            self.record("reduction", _REDUCTION_FLOPS_PER_ELEMENT[name] * inputs[0].numel(), dtype, operands)
+        elif name in _PER_TARGET:
+            self.record("reduction", inputs[1].numel(), dtype, operands)
+        elif torch.Tag.reduction in func.tags:
+            self.record("reduction", inputs[0].numel(), dtype, operands)
+        elif torch.Tag.pointwise in func.tags or name in _ELEMENTWISE:
+            self.record("elementwise", outputs[0].numel() if outputs else 0, dtype, operands)
+        elif name in _WRITES:
+            self.record("elementwise", 0, dtype, operands)
+        else:  # not silently zero: one FLOP per output element, and the op is listed in the cost report
+            self.unclassified[str(func.overloadpacket)] += 1
+            self.record("elementwise", sum(t.numel() for t in outputs), dtype, operands)
+
+    def _book_matmul(self, flops: float, inputs: list[torch.Tensor]) -> None:
+        if self.phase == "primal":
+            if self._is_weight_matmul(inputs):
+                self.weight_flops += flops
+            else:
+                self.attention_flops += flops
+
+    @staticmethod
+    def _accumulated(name: str, args: tuple, kwargs: dict) -> int:
+        """One add per element a scatter-add accumulates; plain gathers, scatters and copies compute nothing."""
+        if name not in _ACCUMULATED_ARG:
+            return 0
+        if name.startswith(("index_put", "_index_put")):
+            accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
+            if not accumulate:
+                return 0
+        return args[_ACCUMULATED_ARG[name]].numel()
+
+    def _book_custom(self, func, args, kwargs, out, inputs, outputs) -> None:  # noqa: ANN001
+        dtype = _compute_dtype(inputs, outputs)
+        formula = self.formulas.get(func) or self.formulas.get(func.overloadpacket) or self.formulas.get(func.name())
+        if formula is not None:
+            swap = lambda x: self._shadow.get(x, x) if isinstance(x, torch.Tensor) else x
+            result = formula(*tree_map(swap, args), **tree_map(swap, kwargs))
+            flops, total_bytes = _parse_formula_result(func, result)
+        elif func.overloadpacket in flop_registry:
+            flops, total_bytes = {"matmul": flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)}, None
+        else:
+            raise PPTError(
+                f"custom op {func.name()} has no cost formula, so its work would count as zero. Register one beside "
+                "the kernel: a module-level COST_FORMULAS = {op: fn} in its ppt.* module, where fn(*op_args) returns "
+                "{'flops': ..., 'bytes': ...}; or use torch.utils.flop_counter.register_flop_formula"
+            )
+        if not flops:
+            raise PPTError(f"the cost formula of {func.name()} returned no FLOPs: {result!r}")
+        self._book_matmul(flops.get("matmul", 0), inputs)
+        main_class = max(flops, key=flops.get)  # operand bytes go with the class that does most of the work
+        for op_class, n in flops.items():
+            if op_class == main_class:
+                self.record(op_class, n, dtype, [] if total_bytes is not None else inputs + outputs, total_bytes)
+            else:
+                self.record(op_class, n, dtype, [])
+
+
+def _parse_formula_result(func: object, result: object) -> tuple[dict[str, float], float | None]:
+    if isinstance(result, (int, float)):
+        return {"matmul": float(result)}, None
+    if not isinstance(result, dict) or not (set(result) & {"flops", *OP_CLASSES}):
+        raise PPTError(f"the cost formula of {func} must return a number or a dict with 'flops', got {result!r}")
+    flops = {c: float(result[c]) for c in OP_CLASSES if c in result}
+    if "flops" in result:
+        flops["matmul"] = flops.get("matmul", 0.0) + float(result["flops"])
+    return flops, (float(result["bytes"]) if "bytes" in result else None)
+
+
+def _as_bhtd(shape: torch.Size) -> tuple[int, int, int, int]:
+    """SDPA shapes as (batch, heads, tokens, dim): leading dimensions fold into the batch."""
+    *lead, h, t, d = (1, 1, *shape) if len(shape) < 4 else tuple(shape)
+    return math.prod(lead), h, t, d
+
+
+class _FusedAttention(torch.autograd.Function):
+    """SDPA as one traced op with flash attention's costs. On meta, SDPA would run its math path instead: T x T
+    scores in memory, many small ops, and a backward that FlopCounterMode does not count the way the GPU runs it."""
+
+    @staticmethod
+    def forward(ctx, trace: _Trace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):  # noqa: ANN001, ANN205
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # the row log-sum-exp flash saves for its backward
+        flops = sdpa_flop_count(_as_bhtd(q.shape), _as_bhtd(k.shape), _as_bhtd(v.shape))
+        operands = [t for t in (q, k, v, mask) if t is not None]
+        trace.attention_flops += flops
+        trace.op_name = "scaled_dot_product_attention"
+        trace.record("matmul", flops, q.dtype, operands + [out, lse])
+        ctx.trace, ctx.has_mask = trace, mask is not None
+        ctx.save_for_backward(q, k, v, out, lse, *operands[3:])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # noqa: ANN001, ANN205
+        q, k, v, out, lse, *mask = ctx.saved_tensors
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        mask_grad = torch.empty_like(mask[0]) if ctx.has_mask and ctx.needs_input_grad[4] else None
+        shapes = (_as_bhtd(grad_out.shape), _as_bhtd(q.shape), _as_bhtd(k.shape), _as_bhtd(v.shape))
+        written = grads + ([mask_grad] if mask_grad is not None else [])
+        ctx.trace.op_name = "scaled_dot_product_attention_backward"
+        ctx.trace.record(
+            "matmul", sdpa_backward_flop_count(*shapes), q.dtype, [grad_out, q, k, v, out, lse, *mask] + written
+        )
+        return None, *grads, mask_grad
+
+
+class _RouteAttention(TorchFunctionMode):
+    def __init__(self, trace: _Trace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201 (torch's hook)
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _sdpa(self.trace, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _sdpa(trace: _Trace, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attn_mask: torch.Tensor | None = None, *args: object, **kwargs: object) -> torch.Tensor:  # fmt: skip
+    return _FusedAttention.apply(trace, query, key, value, attn_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The cost of one step
+
+
+@dataclass
+class Cost:
+    """FLOPs and logical operand bytes of one forward+backward of `batch_size` rows of `seq_len` tokens."""
+
+    params: int  # every parameter, each shared tensor once
+    params_active: int  # parameters the step reads
+    params_matmul: int  # the N of 6N: forward FLOPs of weight matmuls / (2 * tokens); a tied head counts once
+    batch_size: int
+    seq_len: int
+    flops: dict[Row, dict[torch.dtype, float]]
+    bytes: dict[Row, dict[torch.dtype, float]]
+    attention_flops: float  # forward FLOPs of activation-by-activation matmuls (SDPA, custom mixers), whole batch
+    unclassified: dict[str, int] = field(default_factory=dict)  # aten ops counted as elementwise by default
+    ops: dict[OpKey, tuple[float, float]] = field(default_factory=dict)  # FLOPs and bytes of each kind of op
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def flops_per_token_6n(self) -> float:
+        return 6 * self.params_matmul
+
+    @property
+    def attention_flops_per_token(self) -> float:
+        """Forward plus the two backward matmuls of each activation matmul: 12*L*H*Q*T for SDPA layers."""
+        return 3 * self.attention_flops / self.tokens
+
+    @property
+    def flops_per_token(self) -> float:
+        """The MFU convention (nanochat/torchtitan): 6N plus attention, no causal halving."""
+        return self.flops_per_token_6n + self.attention_flops_per_token
+
+    def rows(self) -> list[Row]:
+        return [(p, c) for p in PASSES for c in OP_CLASSES if (p, c) in self.flops or (p, c) in self.bytes]
+
+    def dtypes(self, of: str) -> list[torch.dtype]:
+        """The dtypes that carry any FLOPs (of="flops") or bytes (of="bytes"), in a stable order."""
+        table = self.flops if of == "flops" else self.bytes
+        found = {d for cell in table.values() for d, n in cell.items() if n}
+        return sorted(found, key=_dtype_order)
+
+    def total(self, of: str, dtype: torch.dtype) -> float:
+        table = self.flops if of == "flops" else self.bytes
+        return sum(cell.get(dtype, 0) for cell in table.values())
+
+    def intensity(self, row: Row | None, dtype: torch.dtype) -> float | None:
+        """FLOPs per byte of one dtype in a row (None: the whole step); None where there are no FLOPs or bytes."""
+        flops = self.flops.get(row, {}).get(dtype, 0) if row else self.total("flops", dtype)
+        nbytes = self.bytes.get(row, {}).get(dtype, 0) if row else self.total("bytes", dtype)
+        return flops / nbytes if flops and nbytes else None
+
+    def __str__(self) -> str:
+        flop_dtypes, byte_dtypes = self.dtypes("flops"), self.dtypes("bytes")
+        header = [["flops"] * len(flop_dtypes) + ["bytes"] * len(byte_dtypes) + ["intensity"] * len(flop_dtypes)]
+        header.append([_dtype_name(d) for d in flop_dtypes + byte_dtypes + flop_dtypes])
+        body = []
+        for row in [*self.rows(), None]:
+            flops = self.flops.get(row, {}) if row else {d: self.total("flops", d) for d in flop_dtypes}
+            nbytes = self.bytes.get(row, {}) if row else {d: self.total("bytes", d) for d in byte_dtypes}
+            cells = [_si(flops.get(d, 0)) for d in flop_dtypes] + [_si(nbytes.get(d, 0)) for d in byte_dtypes]
+            cells += [_si(self.intensity(row, d) or 0) for d in flop_dtypes]
+            body.append((" ".join(row) if row else "total", cells))
+        lines = [
+            f"Cost(params={self.params}, params_active={self.params_active}, params_matmul={self.params_matmul}, "
+            f"batch_size={self.batch_size}, seq_len={self.seq_len})",
+            _table(header, body),
+        ]
+        if self.unclassified:
+            listed = ", ".join(f"{op} x{n}" for op, n in sorted(self.unclassified.items()))
+            lines.append(f"WARNING: ops without a class, counted as elementwise at 1 FLOP per output: {listed}")
+        return "\n".join(lines)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module under torch.compile's and DDP's wrappers: their parameters are the inner module's."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _meta_twin(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    twin = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+    return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
+
+
+def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> Cost:
+    """Trace one training step of `model` (loss = model(idx, targets); loss.backward()) on the meta device.
+
+    The model itself is not touched: its floating parameters and buffers are replaced, for the trace, by meta
+    tensors of `dtype`; ops the model upcasts (e.g. an fp32 loss) show up under their own dtype. Small learned
+    tensors (up to 4096 elements, e.g. per-head windows) keep their values when the model has any.
+    """
+    if batch_size < 1 or seq_len < 1:
+        raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+    model = _unwrap(model)
+    originals = dict(model.named_parameters()) | dict(model.named_buffers())
+    twins = {name: _meta_twin(t, dtype) for name, t in originals.items()}
+    shadows = {
+        id(twins[name]): t.detach().to("cpu", twins[name].dtype)
+        for name, t in originals.items()
+        if t.device.type != "meta" and t.numel() <= _SHADOW_MAX
+    }
+    params = [twins[name] for name, _ in model.named_parameters()]
+    trace = _Trace(params, shadows)
+    idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    targets = torch.zeros_like(idx)
+    trace.mark_batch(idx, targets)
+    with torch.enable_grad(), trace.modules, _RouteAttention(trace), trace:
+        try:
+            loss = torch.func.functional_call(model, twins, (idx,), {"targets": targets})
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise PPTError("model(idx, targets) must return the scalar loss (SPEC.md, the model contract)")
+            trace.phase = "adjoint"
+            loss.backward()
+        except PPTError:
+            raise
+        except Exception as exc:
+            raise PPTError(
+                f"tracing {type(model).__name__} on the meta device failed ({type(exc).__name__}: {exc}); cost() "
+                "runs forward+backward on meta tensors, so keep forward free of value-dependent code (.item(), "
+                "data-dependent shapes)"
+            ) from exc
+    if trace.unclassified:
+        warn0(f"ppt.flops: counted ops without a class as elementwise: {', '.join(sorted(trace.unclassified))}")
+    tokens = batch_size * seq_len
+    return Cost(
+        params=sum(p.numel() for p in model.parameters()),
+        params_active=sum(p.numel() for p in params if id(p) in trace.params_used),
+        params_matmul=round(trace.weight_flops / (2 * tokens)),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        flops={row: dict(cell) for row, cell in trace.flops.items()},
+        bytes={row: dict(cell) for row, cell in trace.bytes.items()},
+        attention_flops=trace.attention_flops,
+        unclassified=dict(trace.unclassified),
+        ops={key: (flops, nbytes) for key, (flops, nbytes) in trace.ops.items()},
+    )
+
+
+def mfu_flops_per_token(model: nn.Module, seq_len: int) -> dict[str, float]:
+    """Training FLOPs per token for MFU, traced once (call at start-up, not every step).
+
+    Returns {"flops_per_token": the convention figure (6N + attention), "flops_per_token_6n": 6N alone,
+    "attention_flops_per_token": the attention term, "params_matmul": N}.
+    """
+    step = cost(model, batch_size=1, seq_len=seq_len)
+    return {
+        "flops_per_token": step.flops_per_token,
+        "flops_per_token_6n": step.flops_per_token_6n,
+        "attention_flops_per_token": step.attention_flops_per_token,
+        "params_matmul": step.params_matmul,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Devices: dense peak rates (no sparsity) from the vendors' datasheets
+
+
+@dataclass(frozen=True)
+class Device:
+    """Peak FLOP/s by op class and dtype, and peak memory bytes/s, of one accelerator."""
+
+    name: str
+    matmul: dict[torch.dtype, float]  # tensor/matrix cores, dense, by operand dtype; fp32 means TF32
+    vector: float  # fp32 FLOP/s of the general cores: PyTorch computes elementwise, reduction and selection ops in
+    # fp32 whatever the storage dtype, so one rate serves every dtype there
+    bandwidth: float  # memory bytes/s
+
+    def peak(self, op_class: str, dtype: torch.dtype) -> float | None:
+        return self.matmul.get(dtype) if op_class == "matmul" else self.vector
+
+    def knee(self, op_class: str, dtype: torch.dtype) -> float | None:
+        """The roofline knee (FLOPs/byte): below it an op is memory-bound, above it compute-bound."""
+        peak = self.peak(op_class, dtype)
+        return peak / self.bandwidth if peak else None
+
+    def table(self, dtype: torch.dtype) -> str:
+        body = [(c, [_si(self.peak(c, dtype) or 0), _si(self.bandwidth), _si(self.knee(c, dtype) or 0)])
+                for c in OP_CLASSES]  # fmt: skip
+        return _table([["flops", "bytes", "intensity"], [_dtype_name(dtype), "/s", "knee"]], body)
+
+
+def _matmul_peaks(bf16: float, tf32: float, fp8: float | None = None) -> dict[torch.dtype, float]:
+    peaks = {torch.bfloat16: bf16, torch.float16: bf16, torch.float32: tf32}
+    return peaks | ({torch.float8_e4m3fn: fp8, torch.float8_e5m2: fp8} if fp8 else {})
+
+
+T, P = 1e12, 1e15  # tera, peta
+DEVICES: dict[str, Device] = {
+    "h100": Device("H100 SXM", _matmul_peaks(989 * T, 494.7 * T, 1979 * T), 67 * T, 3.35 * T),
+    "h100-pcie": Device("H100 PCIe", _matmul_peaks(756 * T, 378 * T, 1513 * T), 51 * T, 2.0 * T),
+    "h200": Device("H200 SXM", _matmul_peaks(989 * T, 494.7 * T, 1979 * T), 67 * T, 4.8 * T),
+    "a100": Device("A100 SXM 80GB", _matmul_peaks(312 * T, 156 * T), 19.5 * T, 2.039 * T),
+    "b200": Device("B200", _matmul_peaks(2.25 * P, 1.125 * P, 4.5 * P), 75 * T, 8.0 * T),
+    "rtx4090": Device("RTX 4090", _matmul_peaks(165.2 * T, 82.6 * T), 82.6 * T, 1.008 * T),
+    "rtx5090": Device("RTX 5090", _matmul_peaks(209.5 * T, 104.8 * T), 104.8 * T, 1.792 * T),
+    "mi300x": Device("MI300X", _matmul_peaks(1307.4 * T, 653.7 * T, 2614.9 * T), 163.4 * T, 5.3 * T),
+}
+del T, P
+# torch.cuda.get_device_name() strings, squashed (lowercase, no spaces or dashes), matched in order by substring.
+_NAME_PATTERNS = (("h100pcie", "h100-pcie"), ("h100", "h100"), ("h200", "h200"), ("a100", "a100"),
+                  ("b200", "b200"), ("4090", "rtx4090"), ("5090", "rtx5090"), ("mi300x", "mi300x"))  # fmt: skip
+
+
+def find_device(device: str | torch.device | Device) -> Device | None:
+    """A Device from a table key ("h100"), a CUDA device name ("NVIDIA H100 80GB HBM3") or a torch.device.
+
+    None where the peaks are unknown: CPUs, MPS, GPUs not in the table.
+    """
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            return None
+        device = torch.cuda.get_device_name(device)
+    squashed = "".join(ch for ch in device.lower() if ch.isalnum())
+    for pattern, key in _NAME_PATTERNS:
+        if pattern in squashed:
+            return DEVICES[key]
+    return None
+
+
+def peak_flops(device: str | torch.device | Device, dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """Dense matmul peak FLOP/s of a device in `dtype` (the MFU denominator); None when unknown (e.g. CPU)."""
+    found = find_device(device)
+    return found.peak("matmul", dtype) if found else None
+
+
+def _known_device(device: str | torch.device | Device) -> Device:
+    found = find_device(device)
+    if found is None:
+        raise PPTError(f"no peak rates known for device {device!r}; use one of {', '.join(DEVICES)}")
+    return found
+
+
+def _known_peak(device: Device, op_class: str, dtype: torch.dtype) -> float:
+    peak = device.peak(op_class, dtype)
+    if not peak:
+        raise PPTError(f"{device.name} has no {op_class} peak for {dtype} in the table; cost the model in bf16")
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Roofline: utilization and time
+
+
+@dataclass
+class Utilization:
+    """Per-cell ratios (row, dtype) of a cost on a device; see `utilization` for what they mean."""
+
+    device: str
+    duration_sec: float | None
+    ratios: dict[Row, dict[torch.dtype, float]]
+
+    @property
+    def total(self) -> dict[torch.dtype, float]:
+        """The sum of the per-cell ratios: a summary of the table, not a whole-model utilization."""
+        sums: Counter = Counter()
+        for cell in self.ratios.values():
+            sums.update(cell)
+        return dict(sums)
+
+    def __str__(self) -> str:
+        dtypes = sorted({d for cell in self.ratios.values() for d in cell}, key=_dtype_order)
+        body = [(" ".join(row), [_si(cell.get(d, 0)) for d in dtypes]) for row, cell in self.ratios.items()]
+        body.append(("total", [_si(self.total.get(d, 0)) for d in dtypes]))
+        return _table([[_dtype_name(d) for d in dtypes]], body)
+
+
+def utilization(cost: Cost, device: str | torch.device | Device, duration_sec: float | None = None) -> Utilization:
+    """How well each cell (pass, op class, dtype) of `cost` fits `device`.
+
+    Without a duration: the cell's intensity divided by the device's roofline knee for that class and dtype (below
+    1 the cell is memory-bound). With the measured step duration: the cell's achieved FLOP/s divided by its
+    attainable peak, min(peak FLOP/s, intensity * bytes/s); for a compute-bound matmul cell this is its MFU.
+    Cells without FLOPs are left out.
+    """
+    found = _known_device(device)
+    if duration_sec is not None and duration_sec <= 0:
+        raise PPTError(f"duration_sec must be positive, got {duration_sec}")
+    ratios: dict[Row, dict[torch.dtype, float]] = {}
+    for row in cost.rows():
+        for dtype, flops in cost.flops.get(row, {}).items():
+            intensity = cost.intensity(row, dtype)
+            if intensity is None:
+                continue
+            peak = _known_peak(found, row[1], dtype)
+            if duration_sec is None:
+                ratio = intensity / (peak / found.bandwidth)
+            else:
+                ratio = (flops / duration_sec) / min(peak, intensity * found.bandwidth)
+            ratios.setdefault(row, {})[dtype] = ratio
+    return Utilization(found.name, duration_sec, ratios)
+
+
+def roofline_seconds(cost: Cost, device: str | torch.device | Device) -> dict[OpKey, tuple[float, float]]:
+    """Per kind of op, the least time its FLOPs and its bytes need on the device: (FLOPs / peak, bytes / bandwidth).
+
+    An op alone takes the larger of the two (it is bound by that one); summing over ops assumes they run one after
+    another, unfused, as the byte count does.
+    """
+    found = _known_device(device)
+    return {
+        key: (flops / _known_peak(found, key[1], key[4]) if flops else 0.0, nbytes / found.bandwidth)
+        for key, (flops, nbytes) in cost.ops.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Formatting
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+                torch.float8_e4m3fn: "fp8e4m3", torch.float8_e5m2: "fp8e5m2"}  # fmt: skip
+
+
+def _dtype_order(dtype: torch.dtype) -> tuple[int, str]:
+    """Table columns: the low-precision compute dtypes first, then fp32, then integers and the rest."""
+    order = list(_DTYPE_NAMES)
+    return (order.index(dtype) if dtype in order else len(order), str(dtype))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _si(x: float) -> str:
+    """4 significant digits with an SI suffix (532.4M); '-' for zero."""
+    if not x:
+        return "-"
+    for power, suffix in ((18, "E"), (15, "P"), (12, "T"), (9, "G"), (6, "M"), (3, "K")):
+        if abs(x) >= 10**power:
+            return f"{x / 10**power:.4g}{suffix}"
+    return f"{x:.4g}"
+
+
+def _table(header: list[list[str]], body: list[tuple[str, list[str]]]) -> str:
+    label_width = max(len(label) for label, _ in body)
+    columns = list(zip(*header, *(cells for _, cells in body)))
+    widths = [max(len(s) for s in column) for column in columns]
+    lines = [" " * label_width + "".join(f"  {s:>{w}}" for s, w in zip(row, widths)) for row in header]
+    lines += [
+        f"{label:<{label_width}}" + "".join(f"  {s:>{w}}" for s, w in zip(cells, widths)) for label, cells in body
+    ]
+    return "\n".join(lines)
+
+
+def _roofline_table(step: Cost, seconds: dict[OpKey, tuple[float, float]], group: Callable[[OpKey], str]) -> str:
+    """FLOPs, bytes, roofline time and its memory-bound share per group of ops, largest time first."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # flops, bytes, time, memory-bound time
+    for key, (flops, nbytes) in step.ops.items():
+        compute, memory = seconds[key]
+        totals = sums[group(key)]
+        totals[0] += flops
+        totals[1] += nbytes
+        totals[2] += max(compute, memory)
+        totals[3] += memory if memory > compute else 0.0
+    step_seconds = sum(totals[2] for totals in sums.values())
+    body = []
+    for name, (flops, nbytes, time, memory_bound) in sorted(sums.items(), key=lambda kv: -kv[1][2]):
+        cells = [_si(flops), _si(nbytes), _si(flops / nbytes if nbytes else 0), f"{time * 1e3:.4g}"]
+        body.append((name, cells + [f"{time / step_seconds:.1%}", f"{memory_bound / time:.0%}" if time else "-"]))
+    return _table([["flops", "bytes", "intensity", "ms", "share", "memory-bound"]], body)
+
+
+def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype,
+           duration_sec: float | None = None) -> str:  # fmt: skip
+    """The CLI's text: the cost table, FLOPs per token, the device table, utilization and roofline time."""
+    lines = [
+        str(step),
+        "",
+        f"FLOPs/token, MFU convention: {_si(step.flops_per_token)} = 6N {_si(step.flops_per_token_6n)} "
+        f"(N = {_si(step.params_matmul)} matmul params) + attention {_si(step.attention_flops_per_token)}",
+        f"FLOPs/token, 6N only:        {_si(step.flops_per_token_6n)}",
+    ]
+    found = find_device(device)
+    if found is None:
+        lines += ["", f"device {device}: peak rates unknown, no roofline"]
+        return "\n".join(lines)
+    name = _dtype_name(dtype).upper()
+    lines += ["", f"{found.name} peaks ({name}):", found.table(dtype), ""]
+    knee, matmul_intensity = found.knee("matmul", dtype), step.intensity(("primal", "matmul"), dtype)
+    if knee and matmul_intensity:
+        lines.append(
+            f"The {found.name}'s {name} matmul roofline knee is {_si(knee)} FLOPs/byte; this model's primal matmul "
+            f"intensity is {_si(matmul_intensity)} ({matmul_intensity / knee - 1:+.1%} from the knee)."
+        )
+    lines += ["", "Utilization: intensity / knee per cell (below 1: memory-bound)", str(utilization(step, found))]
+    if duration_sec is not None:
+        lines += ["", f"Utilization at {duration_sec:g} s/step: achieved / min(peak, intensity * bandwidth)",
+                  str(utilization(step, found, duration_sec))]  # fmt: skip
+    seconds = roofline_seconds(step, found)
+    step_seconds = sum(max(c, m) for c, m in seconds.values())
+    ceiling = step.flops_per_token * step.tokens / step_seconds / found.peak("matmul", dtype)
+    lines += [
+        "",
+        "Roofline time per step, each op alone at its bound (no overlap, no fusion), by pass and op class:",
+        _roofline_table(step, seconds, lambda key: f"{key[0]} {key[1]}"),
+        "",
+        "... and by model part (innermost module, layer indices dropped), both passes:",
+        _roofline_table(step, seconds, lambda key: key[2]),
+        "",
+        f"At the roofline one step takes >= {step_seconds * 1e3:.4g} ms, so MFU <= {ceiling:.1%} on the "
+        f"{found.name} for these ops run unfused.",
+        "Bytes are the logical operand I/O of the unfused algorithm, not measured memory traffic.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ppt.flops", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="a name from ppt.model.CONFIGS (default: the model's default)")
+    parser.add_argument("--depth", type=int, help="the depth dial instead of a named config")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, help="tokens per row (default: the config's max_seq_len)")
+    parser.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}, a CUDA device name, or cpu")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--duration-sec", type=float, help="a measured step time: adds achieved utilization")
+    args = parser.parse_args(argv)
+    try:
+        from ppt.model import build_model, get_config  # the CLI is an entry point: it may bring the model in
+
+        config = get_config(args.config, args.depth)
+        with torch.device("meta"):
+            model = build_model(config)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        step = cost(model, args.batch_size, args.seq_len or config.max_seq_len, dtype)
+        print(report(step, args.device, dtype, args.duration_sec))
+    except PPTError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+if __name__ == "__main__":
+    main()

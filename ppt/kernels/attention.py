@@ -1,0 +1,62 @@
+"""Document-masked causal attention for the vanilla decoder.
+
+Token t of a packed row sees key s iff t - doc_pos[t] <= s <= t (its own document, causally). Two paths compute
+the same thing:
+- `reference`: SDPA with a dense boolean (B, 1, T, T) mask. Runs anywhere; it reads the whole mask and cannot skip
+  work, so it is the CPU path and the correctness oracle.
+- FlexAttention (CUDA, inside torch.compile): a block-sparse mask built once per batch; tiles wholly outside a
+  document are skipped and tiles wholly inside one run unmasked.
+Plain causal rows (doc_pos None) go to SDPA's causal flash kernel on every device.
+
+Call `document_mask(doc_pos)` once per forward and pass its result to `attention` in every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # FlexAttention appeared in torch 2.5
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - older torch: the reference path only
+    BlockMask = create_block_mask = flex_attention = None
+
+
+def _use_flex(doc_pos: Tensor) -> bool:
+    return flex_attention is not None and doc_pos.is_cuda and torch.compiler.is_compiling()
+
+
+def document_mask(doc_pos: Tensor | None) -> Tensor | BlockMask | None:
+    """The per-batch mask: None (plain causal), a FlexAttention BlockMask, or a boolean (B, 1, T, T) tensor."""
+    if doc_pos is None:
+        return None
+    B, T = doc_pos.shape
+    doc_start = torch.arange(T, device=doc_pos.device) - doc_pos.long()
+    if _use_flex(doc_pos):
+
+        def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            return (kv <= q) & (kv >= doc_start[b, q])
+
+        return create_block_mask(same_document_causal, B, None, T, T, device=doc_pos.device)
+    keys = torch.arange(T, device=doc_pos.device)
+    mask = (keys.view(1, 1, T) <= keys.view(1, T, 1)) & (keys.view(1, 1, T) >= doc_start.unsqueeze(-1))
+    return mask.unsqueeze(1)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None) -> Tensor:
+    """q (B, H, T, D); k, v (B, Hkv, T, D) with H a multiple of Hkv (GQA). Returns (B, H, T, D)."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return reference(q, k, v, mask)
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Dense-mask SDPA; the memory-efficient kernel wants as many KV heads as query heads, so expand them."""
+    if q.shape[1] != k.shape[1]:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

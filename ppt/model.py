@@ -1,0 +1,389 @@
+"""The model: the one file a researcher edits.
+
+Two architectures live here, each a config dataclass plus an nn.Module that honours the contract in SPEC.md:
+- `Llama`: the vanilla SmolLM decoder (pre-norm, GQA attention with RoPE, SwiGLU MLP, RMSNorm, tied embedding).
+- `MultiscreenLM`: screening attention with learned windows, no FFN, a normalized tied embedding.
+`build_model(config)` picks the class from the config type; `get_config(name, depth)` resolves a name or a depth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ppt.common import PPTError
+from ppt.kernels.screening import screening, screening_metadata
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Vanilla Llama / SmolLM decoder
+
+
+@dataclass
+class LlamaConfig:
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    d_model: int
+    d_ff: int
+    vocab_size: int = 49152
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def document_causal_mask(doc_pos: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, 1, T, T) mask: query t sees key s iff t - doc_pos[t] <= s <= t (its own document, causally)."""
+    T = doc_pos.shape[1]
+    pos = torch.arange(T, device=doc_pos.device)
+    doc_start = pos - doc_pos.long()  # (B, T): index of the first token of each query's document
+    keys = pos.view(1, 1, T)
+    mask = (keys <= pos.view(1, T, 1)) & (keys >= doc_start.unsqueeze(-1))
+    return mask.unsqueeze(1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, D); cos/sin: (T, D). Non-interleaved halves, as Hugging Face Llama does."""
+    return x * cos + rotate_half(x) * sin
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        if config.d_model % config.n_head or config.n_head % config.n_kv_head:
+            raise PPTError(
+                f"d_model {config.d_model}, n_head {config.n_head}, n_kv_head {config.n_kv_head} do not divide; "
+                "choose n_head dividing d_model and n_kv_head dividing n_head"
+            )
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.q_proj = nn.Linear(config.d_model, config.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mask is None:  # plain causal: flash attention handles GQA natively
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        else:  # masked SDPA runs the memory-efficient kernel, which wants as many KV heads as query heads
+            groups = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.rms_eps)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.rms_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = nn.RMSNorm(config.d_model, eps=config.rms_eps)
+        # Non-persistent: recomputed from the config, so checkpoints hold weights only and meta builds stay cheap.
+        cos, sin = self._rope_tables(self.embed.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        dim = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+        angles = torch.outer(torch.arange(self.config.max_seq_len, device=device).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # (T, dim): each frequency for both halves
+        return angles.cos(), angles.sin()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, 0.02) matrices and embedding; residual-branch outputs shrunk by depth; unit norm gains."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        for block in self.blocks:
+            for linear in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj, block.mlp.gate_proj):
+                nn.init.normal_(linear.weight, std=0.02)
+            nn.init.normal_(block.mlp.up_proj.weight, std=0.02)
+            nn.init.normal_(block.attn.o_proj.weight, std=residual_std)
+            nn.init.normal_(block.mlp.down_proj.weight, std=residual_std)
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        self.rope_cos, self.rope_sin = self._rope_tables(self.embed.weight.device)
+
+    def param_roles(self) -> dict[str, str]:
+        roles = {}
+        for name, param in self.named_parameters():
+            if name == "embed.weight":
+                roles[name] = "embedding"
+            else:
+                roles[name] = "matrix" if param.ndim == 2 else "scalar"
+        return roles
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        doc_pos: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        T = check_sequence_length(idx, self.config.max_seq_len)
+        mask = None if doc_pos is None else document_causal_mask(doc_pos)  # built once, shared by every layer
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        logits = F.linear(self.norm(x), self.embed.weight)  # tied head
+        return logits if targets is None else language_model_loss(logits, targets, reduction)
+
+
+def check_sequence_length(idx: torch.Tensor, max_seq_len: int) -> int:
+    T = idx.shape[1]
+    if T > max_seq_len:
+        raise PPTError(f"sequence length {T} exceeds the model's max_seq_len {max_seq_len}; feed shorter sequences")
+    return T
+
+
+def language_model_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Next-token NLL in fp32; target -1 is ignored. "mean" over kept targets, or "none" per token (0 where ignored)."""
+    if reduction not in ("mean", "none"):
+        raise PPTError(f"reduction {reduction!r} is not supported; use 'mean' or 'none'")
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
+    return nll.view(targets.shape) if reduction == "none" else nll
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Multiscreen LM: screening instead of softmax attention. Each head accepts a key only when its similarity clears a
+# learned threshold (trim-and-square), weights it by a learned causal window (softmask), and sums without
+# normalizing, so a head can also retrieve nothing. Layers = heads = psi, width psi^2; no FFN.
+
+
+@dataclass
+class MultiscreenConfig:
+    psi: int
+    vocab_size: int = 49152
+    max_seq_len: int = 4096  # the training length: heads whose window outgrows it see the whole prefix at eval
+    d_key: int = 16
+    d_value: int = 64
+    window_threshold: float = 256.0  # MiPE rotates only heads with windows below it
+
+    @property
+    def n_layer(self) -> int:
+        return self.psi
+
+    @property
+    def n_head(self) -> int:
+        return self.psi
+
+    @property
+    def d_model(self) -> int:
+        return self.psi**2
+
+
+def tanh_norm(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Rescale x to norm tanh(|x|): keeps direction, bounds the norm below 1, near identity for small x."""
+    norm = x.norm(dim=-1, keepdim=True).clamp_min(eps)
+    return x * (torch.tanh(norm) / norm)
+
+
+def mipe(z: torch.Tensor, window: torch.Tensor, positions: torch.Tensor, window_threshold: float) -> torch.Tensor:
+    """Minimal positional encoding: rotate coordinates (0, 1) of each head by phi = pi * pos * gamma(w) / w.
+
+    z (B, T, H, d), window (H,), positions (B, T). gamma(w) = (cos(pi w / w_th) + 1) / 2 fades the rotation out as
+    the window grows, reaching 0 at w_th (clamping w there keeps it 0 beyond, and finite for w = inf).
+    """
+    w = window.float()
+    gamma = 0.5 * (torch.cos(math.pi * w.clamp(max=window_threshold) / window_threshold) + 1)
+    phi = math.pi * positions.float().unsqueeze(-1) * (gamma / w)  # (B, T, H)
+    cos, sin = phi.cos(), phi.sin()
+    z0, z1 = z[..., 0].float(), z[..., 1].float()
+    rotated = torch.stack((z0 * cos - z1 * sin, z0 * sin + z1 * cos), dim=-1).to(z.dtype)
+    return torch.cat((rotated, z[..., 2:]), dim=-1)
+
+
+def project_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (B, T, d) through per-head weights (H, out, d) -> (B, T, H, out), as one matmul."""
+    H, out, d = weight.shape
+    return F.linear(x, weight.reshape(H * out, d)).unflatten(-1, (H, out))
+
+
+class MultiscreenBlock(nn.Module):
+    def __init__(self, config: MultiscreenConfig) -> None:
+        super().__init__()
+        self.config = config
+        H, d, dK, dV = config.n_head, config.d_model, config.d_key, config.d_value
+        # Per-head weight stacks: Muon/Aurora orthogonalize each head's matrix on its own.
+        self.w_q = nn.Parameter(torch.empty(H, dK, d))
+        self.w_k = nn.Parameter(torch.empty(H, dK, d))
+        self.w_v = nn.Parameter(torch.empty(H, dV, d))
+        self.w_g = nn.Parameter(torch.empty(H, dV, d))
+        self.w_o = nn.Parameter(torch.empty(H, d, dV))
+        self.s_w = nn.Parameter(torch.empty(H))  # window w = e^{s_w} + 1
+        self.s_r = nn.Parameter(torch.empty(H))  # acceptance width r = sigmoid(s_r)
+        self.s_o = nn.Parameter(torch.empty(H))  # output scale e^{s_o}
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        cfg = self.config
+        nn.init.normal_(self.w_q, std=0.1 / math.sqrt(cfg.d_key))
+        nn.init.normal_(self.w_k, std=0.1 / math.sqrt(cfg.d_key))
+        nn.init.normal_(self.w_v, std=0.1 / math.sqrt(cfg.d_value))
+        nn.init.normal_(self.w_g, std=0.1)
+        nn.init.normal_(self.w_o, std=0.1 / math.sqrt(cfg.d_model))
+        self.s_w.copy_(torch.linspace(0, math.log(cfg.window_threshold), cfg.n_head))  # windows from 2 to w_th + 1
+        self.s_r.zero_()
+        self.s_o.fill_(-0.5 * math.log(cfg.n_head * cfg.n_layer))  # the sum over heads and layers starts at unit scale
+
+    def window(self) -> torch.Tensor:
+        """Per-head window, fp32 (H,). At eval a window longer than the training length becomes the full prefix."""
+        w = self.s_w.float().exp() + 1
+        if self.training:
+            return w
+        return torch.where(w > self.config.max_seq_len, torch.full_like(w, math.inf), w)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        window = self.window()
+        rho = 1 + torch.exp(-self.s_r.float())  # 1 / r with r = sigmoid(s_r): the trim multiplier
+        q = F.normalize(project_heads(x, self.w_q), dim=-1)
+        k = F.normalize(project_heads(x, self.w_k), dim=-1)
+        v = F.normalize(project_heads(x, self.w_v), dim=-1)
+        q = mipe(q, window, positions, self.config.window_threshold).to(v.dtype)
+        k = mipe(k, window, positions, self.config.window_threshold).to(v.dtype)
+        h = screening(q, k, v, window, rho, meta)  # (B, T, H, dV): sum of alpha * m * v
+        gate = torch.tanh(F.silu(project_heads(x, self.w_g)))
+        u = tanh_norm(h) * gate * self.s_o.exp().to(h.dtype).unsqueeze(-1)
+        return torch.einsum("bthv,hdv->btd", u, self.w_o)  # summed over heads
+
+
+class MultiscreenLM(nn.Module):
+    def __init__(self, config: MultiscreenConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
+        self.blocks = nn.ModuleList(MultiscreenBlock(config) for _ in range(config.n_layer))
+        self.s_e = nn.Parameter(torch.empty(()))  # embedding scale e^{s_e}
+        self.s_f = nn.Parameter(torch.empty(()))  # logit scale e^{s_f}
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        nn.init.normal_(self.embed, std=1 / math.sqrt(self.config.d_model))  # rows near unit norm, as they are used
+        for block in self.blocks:
+            block.init_weights()
+        self.s_e.zero_()
+        self.s_f.fill_(0.5 * math.log(self.config.d_model))
+
+    def param_roles(self) -> dict[str, str]:
+        roles = {}
+        for name, param in self.named_parameters():
+            if name == "embed":
+                roles[name] = "embedding"
+            else:
+                roles[name] = "matrix" if param.ndim >= 2 else "scalar"
+        return roles
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        doc_pos: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        B, T = idx.shape
+        check_sequence_length(idx, self.config.max_seq_len)
+        if doc_pos is None:
+            doc_pos = torch.arange(T, device=idx.device, dtype=torch.int32).expand(B, T)
+        meta = screening_metadata(doc_pos)  # built once, shared by every layer
+        embed = F.normalize(self.embed, dim=-1)
+        x = F.embedding(idx, embed) * self.s_e.exp()
+        for block in self.blocks:
+            x = x + block(x, doc_pos, meta)  # MiPE positions count from each document's start
+        logits = F.linear(x, embed) * self.s_f.exp()
+        return logits if targets is None else language_model_loss(logits, targets, reduction)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Configs and the builder
+
+
+def _ffn_width(d_model: int) -> int:
+    """SwiGLU's 8/3 expansion, rounded up to a multiple of 64 for matmul-friendly shapes."""
+    return 64 * math.ceil(8 * d_model / 3 / 64)
+
+
+CONFIGS: dict[str, LlamaConfig | MultiscreenConfig] = {
+    "smollm-135m": LlamaConfig(n_layer=30, n_head=9, n_kv_head=3, d_model=576, d_ff=1536),
+    "smollm-360m": LlamaConfig(n_layer=32, n_head=15, n_kv_head=5, d_model=960, d_ff=2560),
+    "tiny": LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=4096, max_seq_len=256),
+    "multiscreen-d16": MultiscreenConfig(psi=16),
+    "multiscreen-d24": MultiscreenConfig(psi=24),
+    "multiscreen-d32": MultiscreenConfig(psi=32),
+    "multiscreen-tiny": MultiscreenConfig(psi=6, vocab_size=4096, max_seq_len=256),
+}
+DEFAULT_CONFIG = "smollm-360m"
+
+
+def depth_config(depth: int) -> LlamaConfig:
+    """The scaling dial: width 64*depth, 64-dim heads, full multi-head attention (n_kv_head = n_head)."""
+    if depth < 1:
+        raise PPTError(f"depth must be a positive integer, got {depth}")
+    d_model = 64 * depth
+    return LlamaConfig(n_layer=depth, n_head=depth, n_kv_head=depth, d_model=d_model, d_ff=_ffn_width(d_model))
+
+
+def get_config(name: str | None = None, depth: int | None = None) -> LlamaConfig | MultiscreenConfig:
+    """A named config from CONFIGS, or the depth dial; neither gives DEFAULT_CONFIG."""
+    if name is not None and depth is not None:
+        raise PPTError("give either a config name or a depth, not both")
+    if depth is not None:
+        return depth_config(depth)
+    name = name or DEFAULT_CONFIG
+    if name not in CONFIGS:
+        raise PPTError(f"unknown config {name!r}; valid names: {', '.join(CONFIGS)}")
+    return replace(CONFIGS[name])  # a copy: callers may edit it without touching CONFIGS
+
+
+def build_model(config: LlamaConfig | MultiscreenConfig) -> nn.Module:
+    """The module for a config; under `with torch.device("meta")` nothing is allocated (then to_empty + init)."""
+    if isinstance(config, LlamaConfig):
+        return Llama(config)
+    if isinstance(config, MultiscreenConfig):
+        return MultiscreenLM(config)
+    raise PPTError(f"no model class for config type {type(config).__name__}")

@@ -1,0 +1,245 @@
+"""Optimizers and the learning-rate schedule. Fixed: never imports ppt.model; it reads `model.param_roles()`.
+
+- `adamw`: torch's AdamW over every parameter (fused on CUDA); weight decay on matrices and embeddings only.
+- `muon`: Muon (momentum, then Newton-Schulz orthogonalization) for "matrix" parameters, AdamW for the rest.
+- `aurora`: Aurora (orthogonalization with a row-balancing preconditioner for non-square matrices) for "matrix"
+  parameters, AdamW for the rest. The Multiscreen default.
+
+Matrix parameters of more than two dimensions (per-head stacks `(H, m, n)`) are a batch of `m x n` matrices.
+Every param group carries `role`, `algorithm` and `initial_lr`; a schedule sets `lr = initial_lr * multiplier`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from ppt.common import PPTError
+
+ROLES = ("matrix", "embedding", "scalar")
+OPTIMIZERS = ("adamw", "muon", "aurora")
+DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02, "aurora": 2**-3}  # the main rate of each (matrices for muon, aurora)
+
+# Tuned quintic coefficients (Keller Jordan's Muon): pushes singular values to roughly [0.7, 1.2] in 5 steps.
+MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# p(x) = 2x - 1.5x^3 + 0.5x^5 has a super-attracting fixed point at 1: slower, but converges to the polar factor.
+POLAR_COEFFICIENTS = (2.0, -1.5, 0.5)
+
+
+def newton_schulz(
+    G: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7
+) -> torch.Tensor:
+    """Approximate orthogonalization U V^T of G = U S V^T over the last two dims (leading dims are a batch).
+
+    Runs in bf16 on CUDA (tensor cores; the iteration tolerates it) and fp32 elsewhere; returns G's dtype.
+    """
+    a, b, c = coefficients
+    X = G.bfloat16() if G.is_cuda else G.float()
+    wide = X.size(-2) <= X.size(-1)
+    if not wide:  # iterate on the smaller Gram matrix X X^T
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # Frobenius >= spectral norm, so singular values <= 1
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return (X if wide else X.mT).to(G.dtype)
+
+
+def aurora_direction(
+    G: torch.Tensor, preconditioner_steps: int = 2, beta: float = 0.5, eps: float = 1e-7
+) -> torch.Tensor:
+    """Polar factor of D G, where the diagonal D rebalances rows so a tall m x n result has rows of equal norm.
+
+    An m x n (m > n) orthogonal-column matrix has mean squared row norm n / m; plain orthogonalization lets some rows
+    carry far more of the update than others. Each preconditioner step rescales rows toward that target (damped by
+    the exponent `beta`) and re-orthogonalizes. Square matrices need no balancing; wide ones are handled transposed.
+    """
+    m, n = G.size(-2), G.size(-1)
+    if m == n:
+        return newton_schulz(G, 12, POLAR_COEFFICIENTS)
+    X = G.float() if m > n else G.float().mT
+    target_row_sq = min(m, n) / max(m, n)
+    row_scale = 1.0 / X.norm(dim=-1, keepdim=True).clamp(min=eps)
+    for step in range(preconditioner_steps):
+        U = newton_schulz(row_scale * X, 12, POLAR_COEFFICIENTS).float()
+        if step < preconditioner_steps - 1:
+            row_sq = U.square().sum(dim=-1, keepdim=True).clamp(min=eps * eps)
+            row_scale = row_scale * (target_row_sq / row_sq) ** beta
+    return (U if m > n else U.mT).to(G.dtype)
+
+
+class HybridOptimizer(torch.optim.Optimizer):
+    """One optimizer for Muon/Aurora groups (matrices) and AdamW groups (embeddings, scalars).
+
+    Each group's `algorithm` picks its update; state_dict, load_state_dict and param_groups are torch's own, so
+    LR schedules and checkpoints treat it like any optimizer.
+    """
+
+    def __init__(self, param_groups: list[dict], lr: float = 1e-3) -> None:
+        defaults = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95, nesterov=True)
+        super().__init__(param_groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["algorithm"] == "adamw":
+                    self._adamw_update(p, group)
+                else:
+                    self._orthogonal_update(p, group)
+        return loss
+
+    def _adamw_update(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0  # a Python int: bias corrections without a device sync
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        step = state["step"]
+        state["exp_avg"].lerp_(p.grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
+
+    def _orthogonal_update(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - group["momentum"])
+        update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        if group["algorithm"] == "muon":
+            direction = newton_schulz(update, 5, MUON_COEFFICIENTS)
+        else:
+            direction = aurora_direction(update)
+        # Orthogonal updates have unit singular values; tall matrices get sqrt(rows/cols) so per-entry RMS matches.
+        scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(direction, alpha=-group["lr"] * scale)
+
+
+def parameters_by_role(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Trainable parameters grouped by `model.param_roles()`; raises unless every one has exactly one valid role."""
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    roles = model.param_roles()
+    unknown = {name: role for name, role in roles.items() if role not in ROLES}
+    if unknown:
+        raise PPTError(f"param_roles() gives invalid roles {unknown}; use one of {ROLES}")
+    missing, extra = trainable.keys() - roles.keys(), roles.keys() - trainable.keys()
+    if missing or extra:
+        raise PPTError(
+            f"param_roles() must name every trainable parameter once: missing {sorted(missing)}, "
+            f"not trainable parameters {sorted(extra)}; fix param_roles() in ppt/model.py"
+        )
+    grouped: dict[str, list[tuple[str, nn.Parameter]]] = {role: [] for role in ROLES}
+    for name, p in trainable.items():
+        if roles[name] == "matrix" and p.ndim < 2:
+            raise PPTError(f"parameter {name} has role 'matrix' but shape {tuple(p.shape)}; call it 'scalar'")
+        grouped[roles[name]].append((name, p))
+    return grouped
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str = "adamw",
+    lr: float | None = None,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    momentum: float = 0.95,
+    adamw_lr: float = 3e-3,
+    scalar_lr: float | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer for `model`, its groups chosen from `model.param_roles()`.
+
+    `lr` is the optimizer's main rate (default DEFAULT_LR[name]): every parameter's for "adamw", the matrices' for
+    "muon" and "aurora", whose embeddings and scalars take AdamW at `adamw_lr` (scalars at `scalar_lr` if given).
+    Weight decay is decoupled and applies to matrices and embeddings, never to scalars.
+    """
+    if name not in OPTIMIZERS:
+        raise PPTError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    lr = DEFAULT_LR[name] if lr is None else lr
+    grouped = parameters_by_role(model)
+    groups = []
+    for role, named in grouped.items():
+        if not named:
+            continue
+        group = dict(params=[p for _, p in named], role=role, weight_decay=0.0 if role == "scalar" else weight_decay)
+        if name == "adamw":
+            group |= dict(algorithm="adamw", lr=lr, betas=betas, eps=eps)
+        elif role == "matrix":
+            group |= dict(algorithm=name, lr=lr, momentum=momentum, nesterov=True)
+        else:
+            rate = scalar_lr if role == "scalar" and scalar_lr is not None else adamw_lr
+            group |= dict(algorithm="adamw", lr=rate, betas=betas, eps=eps)
+        groups.append(group | dict(initial_lr=group["lr"]))
+    check_coverage(model, groups)
+    if name == "adamw":
+        fused = all(p.is_cuda for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+    return HybridOptimizer(groups, lr=lr)
+
+
+def check_coverage(model: nn.Module, groups: list[dict]) -> None:
+    """Raise unless every trainable parameter sits in exactly one group (and nothing else does)."""
+    seen = [id(p) for g in groups for p in g["params"]]
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if len(seen) != len(set(seen)) or set(seen) != trainable:
+        raise PPTError("optimizer groups must hold every trainable parameter exactly once; check param_roles()")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Learning-rate schedule
+
+SCHEDULES = ("constant", "cosine", "wsd")
+
+
+def lr_multiplier(
+    step: int,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    cooldown_frac: float = 0.2,
+    min_lr_frac: float = 0.0,
+) -> float:
+    """Multiplier of the base LR at `step` (0-based): linear warmup, then constant, cosine, or warmup-stable-decay.
+
+    cosine decays from 1 after warmup to `min_lr_frac` at `total_steps`; wsd holds 1 and decays linearly to
+    `min_lr_frac` over the last `cooldown_frac` of `total_steps`.
+    """
+    if schedule not in SCHEDULES:
+        raise PPTError(f"unknown LR schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if total_steps <= 0 or warmup_steps < 0 or not 0.0 <= cooldown_frac <= 1.0:
+        raise PPTError(
+            f"bad schedule settings: total_steps={total_steps} must be > 0, warmup_steps={warmup_steps} >= 0, "
+            f"cooldown_frac={cooldown_frac} in [0, 1]"
+        )
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "cosine":
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+    if schedule == "wsd":
+        cooldown_steps = cooldown_frac * total_steps
+        remaining = total_steps - step
+        if remaining < cooldown_steps:
+            return min_lr_frac + (1 - min_lr_frac) * max(0.0, remaining) / cooldown_steps
+    return 1.0
+
+
+def set_lr(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
+    """lr = initial_lr * multiplier for every group (each group keeps its own base rate)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * multiplier

@@ -1,0 +1,204 @@
+"""Evaluate a trained checkpoint: val NLL and bits-per-byte, then lm-eval benchmarks; results go into the run manifest.
+
+    bash scripts/eval.sh --model-tag smollm-360m                          # bpb + the ppt protocol
+    python -m scripts.base_eval --model-tag smollm-360m --protocol mor    # the MoR paper's shots
+    python -m scripts.base_eval --checkpoint PATH --tasks hellaswag,arc_easy:25 --limit 100
+    python -m scripts.base_eval --model-tag cpu-tiny --data-dir DIR --demo-task   # offline: a local task
+    torchrun --nproc_per_node=8 -m scripts.base_eval --model-tag smollm-360m     # requests split over GPUs
+
+The ppt protocol: LAMBADA, HellaSwag, PIQA 0-shot; WinoGrande 5-shot; ARC-Easy/Challenge 25-shot (ARC = their
+mean); MMLU 5-shot. The mor protocol: all 0-shot except MMLU 5-shot. The table and the manifest say which ran.
+`--demo-task` builds a multiple-choice task from the val split (40 words of a passage, the true next 10 words
+against 3 taken from other passages) and runs it through lm-eval offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ppt.common import PPTError, init_runtime, print0, shutdown_runtime
+from ppt.data import DataLoader, list_shards, read_shard
+from ppt.loss_eval import evaluate_bpb
+from ppt.tokenizer import Tokenizer
+from scripts.model_io import LoadedRun, build_from_checkpoint, load_run, load_tokenizer_for
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model-tag", help="a training run's --tag: its latest complete checkpoint is evaluated")
+    g.add_argument("--checkpoint", type=Path, help="a step_*.pt file (or a folder of them) instead of --model-tag")
+    g.add_argument("--device", help="override the device (cpu, cuda, mps)")
+    g.add_argument("--batch-size", type=int, default=8, help="rows per forward, for bpb and lm-eval (default 8)")
+    g = p.add_argument_group("bits per byte")
+    g.add_argument("--data-dir", type=Path, help="prepared shards (default: the run's data dir, else the default)")
+    g.add_argument("--eval-tokens", type=float, default=10_485_760, help="val tokens to score (default 10M)")
+    g.add_argument("--seq-len", type=int, help="tokens per row (default: the run's training seq len)")
+    g = p.add_argument_group("benchmarks (lm-eval)")
+    g.add_argument("--protocol", choices=["ppt", "mor"], default="ppt", help="task preset and shots (default ppt)")
+    g.add_argument("--tasks", help="lm-eval tasks instead of the preset, comma-separated; NAME:SHOTS sets shots")
+    g.add_argument("--num-fewshot", type=int, default=0, help="shots for --tasks entries without :SHOTS")
+    g.add_argument("--limit", type=float, help="examples per task (a fraction below 1): for quick checks only")
+    g.add_argument("--include-path", type=Path, action="append", default=[], help="a folder of local task YAMLs")
+    g.add_argument("--skip-tasks", action="store_true", help="bits per byte only")
+    g.add_argument("--demo-task", action="store_true", help="run only a local task built from the val split")
+    return p.parse_args(argv)
+
+
+def resolve_seq_len(args: argparse.Namespace, run: LoadedRun, max_seq_len: int) -> int:
+    seq_len = args.seq_len or run.manifest().get("train", {}).get("seq_len") or min(2048, max_seq_len)
+    if seq_len > max_seq_len:
+        raise PPTError(f"--seq-len {seq_len} exceeds the model's max_seq_len {max_seq_len}; lower --seq-len")
+    return seq_len
+
+
+def val_documents(data_dir: Path, tokenizer: Tokenizer) -> list[str]:
+    """The val split's documents as text (the tokens between EOTs)."""
+    _, tokens = read_shard(list_shards(data_dir, "val")[0], tokenizer.fingerprint)
+    boundaries = [*np.flatnonzero(tokens == tokenizer.eot_id).tolist(), len(tokens)]
+    return [tokenizer.decode(tokens[a + 1 : b].tolist()) for a, b in zip(boundaries, boundaries[1:]) if b > a + 1]
+
+
+def benchmark(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    data_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any] | None:
+    """The chosen lm-eval tasks (preset, --tasks, and/or the demo task); None on ranks other than 0."""
+    from ppt import evals  # lazily: needs the eval extra, which --skip-tasks does not
+
+    if args.tasks:
+        benchmarks, protocol = evals.parse_tasks(args.tasks, args.num_fewshot), "custom"
+    elif args.demo_task:
+        benchmarks, protocol = (), "demo"
+    else:
+        benchmarks, protocol = evals.protocol(args.protocol), args.protocol
+    with tempfile.TemporaryDirectory(prefix="ppt_demo_task_") as demo_dir:
+        include = list(args.include_path)
+        if args.demo_task:
+            evals.write_choice_task(evals.demo_examples(val_documents(data_dir, tokenizer)), demo_dir, evals.DEMO_TASK)
+            include.append(Path(demo_dir))
+            benchmarks += (evals.Benchmark("demo continuation (4-way)", (evals.DEMO_TASK,), 0, "acc"),)
+        # lm-eval's built-in index takes seconds to build: skip it when only the local demo task runs
+        manager = evals.task_manager(include, include_defaults=protocol != "demo")
+        evals.check_tasks(manager, benchmarks)
+        lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size)
+        limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
+        results = evals.run_benchmarks(lm, benchmarks, manager, limit=limit)
+    if results is not None:
+        results["protocol"] = protocol
+        results["shots"] = {b.label: b.num_fewshot for b in benchmarks}
+    return results
+
+
+def table(bpb: dict[str, float], bench: dict[str, Any] | None) -> str:
+    """Markdown: metric | value, the way the README reports a run."""
+    lines = [
+        "| metric | value |",
+        "|---|---|",
+        f"| val NLL (nats/token) ↓ | {bpb['nll']:.4f} |",
+        f"| val bits per byte ↓ | {bpb['bpb']:.4f} |",
+    ]
+    if bench:
+        for label, score in bench["rows"].items():
+            shots = bench["shots"][label]
+            lines.append(f"| {label} ({shots}-shot, {bench['metrics'][label]}) | {score:.1f} |")
+        if len(bench["rows"]) > 1:
+            lines.append(f"| Avg | {bench['avg']:.1f} |")
+    return "\n".join(lines)
+
+
+def update_manifests(run: LoadedRun, evaluation: dict[str, Any]) -> list[Path]:
+    """Put `evaluation` under the manifests' `eval` key (merged when the same checkpoint was evaluated before),
+    writing each file atomically; a run without a manifest gets one in the reports dir."""
+    existing = [path for path in run.manifest_paths if path.is_file()] or run.manifest_paths[:1]
+    for path in existing:
+        try:
+            manifest = json.loads(path.read_text()) if path.is_file() else {"run": run.tag}
+        except json.JSONDecodeError as exc:
+            raise PPTError(f"{path} is not valid JSON ({exc}); fix or delete it, then evaluate again") from exc
+        previous = manifest.get("eval", {})
+        same = previous.get("checkpoint") == evaluation["checkpoint"]
+        manifest["eval"] = {**previous, **evaluation} if same else evaluation
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, default=str))
+        os.replace(tmp, path)
+    return existing
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.skip_tasks and (args.demo_task or args.tasks):
+        raise PPTError("--skip-tasks runs bits per byte only; drop it to run --tasks or --demo-task")
+    rt = init_runtime(args.device)
+    run = load_run(args.model_tag, args.checkpoint)
+    tokenizer, data_dir = load_tokenizer_for(run, args.data_dir)
+    model = build_from_checkpoint(run, rt.device)
+    seq_len = resolve_seq_len(args, run, model.config.max_seq_len)
+    print0(
+        f"{run.path} (step {run.state.get('step')}, {type(model).__name__}) on {rt.device} "
+        f"{str(rt.dtype).removeprefix('torch.')}; data {data_dir}"
+    )
+
+    started = time.time()
+    val = DataLoader(
+        data_dir,
+        "val",
+        args.batch_size,
+        seq_len,
+        rt.rank,
+        rt.world_size,
+        0,
+        rt.device,
+        expected_fingerprint=tokenizer.fingerprint,
+    )
+    budget = int(args.eval_tokens)
+    n_batches = -(-min(budget // (seq_len * rt.world_size), val.rows_per_rank) // args.batch_size)
+    batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
+    bpb = evaluate_bpb(model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
+    bench = None if args.skip_tasks else benchmark(args, model, tokenizer, data_dir, rt.device, rt.dtype)
+
+    if rt.is_master:
+        print0(table(bpb, bench))
+        if bench:
+            print0(f"protocol: {bench['protocol']}" + (f" (limit {bench['limit']} per task)" if bench["limit"] else ""))
+        evaluation = {
+            "checkpoint": str(run.path),
+            "step": run.state.get("step"),
+            "tokens": run.state.get("tokens"),
+            "data_dir": str(data_dir),
+            "seq_len": seq_len,
+            "dtype": str(rt.dtype),
+            "world_size": rt.world_size,
+            "val": bpb,
+            "seconds": round(time.time() - started, 1),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        if bench:
+            evaluation["benchmarks"] = bench
+        for path in update_manifests(run, evaluation):
+            print0(f"report: {path}")
+    shutdown_runtime()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except PPTError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

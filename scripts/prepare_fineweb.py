@@ -1,0 +1,506 @@
+"""Tokenize a corpus into ppt shards (format: ppt/data.py).
+
+    python -m scripts.prepare_fineweb --shards 200             # FineWeb-Edu-Dedup, ~20B train tokens
+    python -m scripts.prepare_fineweb --source demo            # offline: the stdlib's pydoc topics, seconds
+    python -m scripts.prepare_fineweb --source 'corpus/*.jsonl' --out /data/mine
+
+Sources: `fineweb` streams HuggingFaceTB/smollm-corpus (config fineweb-edu-dedup); `demo` uses the text of Python's
+`pydoc_data.topics` (one document per topic) and trains its own small BPE; anything else is local paths or globs:
+`.txt` is one document per file (UTF-8), `.jsonl` one per line (its `text` field), `.parquet` one per row (its `text`
+column). Empty documents are skipped. The val shard holds the first documents of the stream and the train shards
+the documents after them, so they never overlap; a shard closes at the first document boundary past its size.
+
+Interrupted runs resume: shards are written atomically and meta.json counts the documents the finished shards
+consumed, so a rerun skips exactly those and continues. Rerunning a finished prepare does nothing; rerunning it
+with a larger --shards adds shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ppt.common import PPTError
+from ppt.data import (
+    default_data_dir,
+    load_data_tokenizer,
+    read_meta,
+    shard_path,
+    token_dtype,
+    write_meta,
+)
+from ppt.data import write_shard as write_token_shard
+from ppt.tokenizer import DEFAULT_TOKENIZER, Tokenizer, load_tokenizer, train_demo_tokenizer
+
+FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+DOCS_PER_TASK = 256  # documents per worker task: big enough to amortize pickling, small enough to keep order cheap
+META_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Defaults:
+    shards: int | None  # None: until the source runs out
+    shard_tokens: int
+    val_tokens: int
+
+
+DEFAULTS = {
+    "fineweb": Defaults(shards=1, shard_tokens=100_000_000, val_tokens=10_000_000),
+    "local": Defaults(shards=None, shard_tokens=100_000_000, val_tokens=10_000_000),
+    "demo": Defaults(shards=None, shard_tokens=25_000, val_tokens=10_000),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.prepare_fineweb",
+        description="Tokenize FineWeb-Edu-Dedup, the offline demo corpus, or local files into ppt shards.",
+    )
+    p.add_argument(
+        "--source", nargs="+", default=["fineweb"], help="fineweb | demo | local .txt/.jsonl/.parquet paths or globs"
+    )
+    p.add_argument("--out", type=Path, help="data directory (default <cache>/data/fineweb-edu, .../demo or .../local)")
+    p.add_argument("--shards", type=int, help="train shards to write (default: 1 for fineweb, all the data otherwise)")
+    p.add_argument("--shard-tokens", type=int, help="tokens per train shard (default 100M; demo 25k)")
+    p.add_argument("--val-tokens", type=int, help="tokens in the val shard (default 10M; demo 10k)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)")
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="hub name or local tokenizer.json (not for demo)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="vocab of the demo tokenizer (demo only)")
+    return p.parse_args(argv)
+
+
+# ---- documents ---------------------------------------------------------------------------------------------------
+
+
+def resolve_local_files(patterns: list[str]) -> list[Path]:
+    """Expand paths and globs in argument order (each glob sorted); every pattern must match a supported file."""
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
+        if not matches or not Path(matches[0]).exists():
+            raise PPTError(f"--source {pattern!r} matches no file; pass fineweb, demo, or existing local files")
+        for match in matches:
+            path = Path(match).resolve()
+            if path.suffix not in LOCAL_SUFFIXES:
+                raise PPTError(f"{path}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)} files")
+            files.append(path)
+    return files
+
+
+def demo_documents() -> Iterator[str]:
+    from pydoc_data.topics import topics  # the stdlib's help() text: always present, no network
+
+    for key in sorted(topics):
+        yield topics[key]
+
+
+def _utf8_error(path: Path, byte_offset: int) -> PPTError:
+    return PPTError(
+        f"{path} is not valid UTF-8 (byte offset {byte_offset}); re-encode it to UTF-8, "
+        f"e.g. `iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`"
+    )
+
+
+def _txt_documents(path: Path) -> Iterator[str]:
+    data = path.read_bytes()
+    try:
+        yield data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _utf8_error(path, exc.start) from exc
+
+
+def _jsonl_documents(path: Path) -> Iterator[str]:
+    offset = 0
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _utf8_error(path, offset + exc.start) from exc
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PPTError(f"{path}:{line_number} is not valid JSON ({exc.msg}); fix or remove that line") from exc
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise PPTError(f'{path}:{line_number} has no string `text` field; each line must be {{"text": ...}}')
+            yield record["text"]
+
+
+def _parquet_documents(path: Path) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    if "text" not in parquet.schema_arrow.names:
+        raise PPTError(f"{path} has no `text` column (columns: {', '.join(parquet.schema_arrow.names)})")
+    for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            yield text or ""
+
+
+def local_documents(files: list[Path]) -> Iterator[str]:
+    readers = {".txt": _txt_documents, ".jsonl": _jsonl_documents, ".parquet": _parquet_documents}
+    for path in files:
+        yield from readers[path.suffix](path)
+
+
+def open_fineweb(skip: int) -> Iterator[str]:
+    """Stream FineWeb-Edu-Dedup from the hub; with HF_HUB_OFFLINE set, read a dataset already in the HF cache.
+
+    Opens the dataset now, so an unreachable hub fails before anything is written.
+    """
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    how_to_work_offline = (
+        "to work offline use `--source demo`, or local .txt/.jsonl/.parquet files, or set HF_HUB_OFFLINE=1 "
+        "with the dataset already in the Hugging Face cache"
+    )
+    try:
+        import datasets  # lazy: importing this script never touches the network
+
+        dataset = datasets.load_dataset(FINEWEB_REPO, FINEWEB_CONFIG, split="train", streaming=not offline)
+    except Exception as exc:  # connection, auth, missing cache: all mean "cannot get the data"
+        raise PPTError(f"cannot open {FINEWEB_REPO} ({FINEWEB_CONFIG}): {exc}; {how_to_work_offline}") from exc
+    if skip:
+        dataset = dataset.skip(skip)
+
+    def texts() -> Iterator[str]:
+        examples = iter(dataset)
+        while True:
+            try:
+                example = next(examples)
+            except StopIteration:
+                return
+            except Exception as exc:
+                raise PPTError(
+                    f"lost {FINEWEB_REPO} while streaming ({exc}); re-run the same command to resume"
+                ) from exc
+            yield example["text"]
+
+    return texts()
+
+
+# ---- tokenization ------------------------------------------------------------------------------------------------
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens per document, all tokens concatenated); each document ends with EOT, empty ones get 0 tokens."""
+    keep = [i for i, text in enumerate(texts) if text.strip()]
+    encoded = tokenizer.encode_batch([texts[i] for i in keep])
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    lengths[keep] = [len(ids) for ids in encoded]
+    tokens = np.fromiter(itertools.chain.from_iterable(encoded), token_dtype(tokenizer.vocab_size), int(lengths.sum()))
+    return lengths, tokens
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_json: str, name: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; avoid cores x threads
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    _worker_tokenizer = Tokenizer(BackendTokenizer.from_str(tokenizer_json), name)
+
+
+def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    assert _worker_tokenizer is not None, "worker used before _init_worker"
+    return encode_documents(_worker_tokenizer, texts)
+
+
+def encode_in_order(
+    batches: Iterable[list[str]], tokenizer: Tokenizer, workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Encode batches of documents on `workers` processes, yielding results in input order.
+
+    At most 2 * workers batches are in flight, so a streamed corpus is never read ahead into memory.
+    """
+    if workers <= 1:
+        for texts in batches:
+            yield encode_documents(tokenizer, texts)
+        return
+    context = multiprocessing.get_context("spawn")  # fork is unsafe with the threads datasets/tokenizers start
+    initargs = (tokenizer.backend.to_str(), tokenizer.name)
+    pending: deque[Future] = deque()
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=initargs) as pool:
+        try:
+            for texts in batches:
+                pending.append(pool.submit(_encode_in_worker, texts))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:  # stopped early (enough shards, Ctrl-C): drop the work nobody will read
+            for future in pending:
+                future.cancel()
+
+
+def batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch
+
+
+# ---- shards and progress -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardBuffer:
+    """The documents of the shard being filled: EOT, doc, EOT, doc, EOT ..."""
+
+    target_tokens: int
+    eot_id: int
+    parts: list[np.ndarray] = field(default_factory=list)
+    tokens: int = 1  # the leading EOT
+    docs: int = 0
+    docs_consumed: int = 0  # documents read from the source, empty ones included
+
+    def add(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
+        self.parts.append(tokens)
+        self.tokens += tokens.size
+        self.docs += int(np.count_nonzero(lengths))
+        self.docs_consumed += lengths.size
+
+    @property
+    def full(self) -> bool:
+        return self.tokens >= self.target_tokens
+
+    def array(self, dtype: np.dtype) -> np.ndarray:
+        return np.concatenate([np.array([self.eot_id], dtype=dtype), *self.parts])
+
+
+class ShardWriter:
+    """Fills the val shard, then train shards, and records progress in meta.json after every finished shard.
+
+    The val shard is held back until the first train shard is written, so a corpus too small for both leaves
+    nothing behind.
+    """
+
+    def __init__(self, out: Path, meta: dict, tokenizer: Tokenizer, target_shards: int | None) -> None:
+        self.out, self.meta, self.tokenizer, self.target_shards = out, meta, tokenizer, target_shards
+        settings = meta["settings"]
+        val_done = meta["val"]["shards"] == 1
+        self.val = None if val_done else ShardBuffer(settings["val_tokens"], tokenizer.eot_id)
+        self.train = ShardBuffer(settings["shard_tokens"], tokenizer.eot_id)
+        self.done = self.finished(meta, target_shards)
+        self.tokens_written = 0
+
+    @staticmethod
+    def finished(meta: dict, target_shards: int | None) -> bool:
+        shards = meta["train"]["shards"]
+        return meta["progress"]["exhausted"] or (target_shards is not None and shards >= target_shards)
+
+    def feed(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
+        """Add a batch of encoded documents, closing shards at the first document boundary past their size."""
+        ends = np.cumsum(lengths)
+        first = 0
+        while first < lengths.size and not self.done:
+            buffer = self.val if self.val is not None and not self.val.full else self.train
+            start = int(ends[first - 1]) if first else 0
+            # the first document whose end brings the buffer to its target size
+            last = int(np.searchsorted(ends, start + buffer.target_tokens - buffer.tokens, side="left"))
+            last = min(last, lengths.size - 1)
+            buffer.add(lengths[first : last + 1], tokens[start : int(ends[last])])
+            first = last + 1
+            if buffer is self.train and buffer.full:
+                self.flush()
+
+    def flush(self) -> None:
+        """Write the pending val shard (if any) and the train shard, then the progress that covers them."""
+        dtype = token_dtype(self.tokenizer.vocab_size)
+        if self.val is not None:
+            self._write("val", 0, self.val.array(dtype), self.val)
+            self.val = None
+        index = self.meta["train"]["shards"]
+        self._write("train", index, self.train.array(dtype), self.train)
+        self.train = ShardBuffer(self.meta["settings"]["shard_tokens"], self.tokenizer.eot_id)
+        self.done = self.finished(self.meta, self.target_shards)
+        write_meta(self.out, self.meta)
+
+    def _write(self, split: str, index: int, array: np.ndarray, buffer: ShardBuffer) -> None:
+        tok = self.tokenizer
+        write_token_shard(
+            shard_path(self.out, split, index),
+            array,
+            vocab_size=tok.vocab_size,
+            eot_id=tok.eot_id,
+            fingerprint=tok.fingerprint,
+            demo=tok.is_demo,
+            tokenizer_name=tok.name,
+        )
+        counts = self.meta[split]
+        counts["shards"], counts["docs"], counts["tokens"] = (
+            counts["shards"] + 1,
+            counts["docs"] + buffer.docs,
+            counts["tokens"] + array.size,
+        )
+        self.meta["progress"]["docs_consumed"] += buffer.docs_consumed
+        self.tokens_written += array.size
+
+    def finish(self) -> None:
+        """The source ran out: write what is left, or explain why there is nothing to write."""
+        if self.val is not None and (not self.val.full or self.train.docs == 0):
+            if self.val.docs == 0:
+                raise PPTError("the corpus has no documents (or only empty ones); check --source")
+            raise PPTError(
+                f"the corpus is too small: its {self.val.tokens} tokens do not fill the val shard "
+                f"(--val-tokens {self.val.target_tokens}) and leave some for training; lower --val-tokens"
+            )
+        if self.train.docs:
+            self.flush()
+        self.meta["progress"]["exhausted"] = True
+        self.done = True
+        write_meta(self.out, self.meta)
+
+
+def new_meta(source: str | list[str], tokenizer: Tokenizer, shard_tokens: int, val_tokens: int) -> dict:
+    return {
+        "format": META_FORMAT,
+        "source": source,
+        "tokenizer": {
+            "name": tokenizer.name,
+            "fingerprint": tokenizer.fingerprint,
+            "is_demo": tokenizer.is_demo,
+            "vocab_size": tokenizer.vocab_size,
+            "eot_id": tokenizer.eot_id,
+        },
+        "settings": {"shard_tokens": shard_tokens, "val_tokens": val_tokens},
+        "val": {"shards": 0, "docs": 0, "tokens": 0},
+        "train": {"shards": 0, "docs": 0, "tokens": 0},
+        "progress": {"docs_consumed": 0, "exhausted": False},
+    }
+
+
+def check_resumable(out: Path, meta: dict, expected: dict) -> None:
+    """A directory can be resumed only with the source, tokenizer and sizes it was started with."""
+    for key in ("source", "settings"):
+        if meta.get(key) != expected[key]:
+            raise PPTError(
+                f"{out} was prepared with {key} {meta.get(key)}, not {expected[key]}; "
+                "pass another --out, or delete the directory to start over"
+            )
+    if meta["tokenizer"]["fingerprint"] != expected["tokenizer"]["fingerprint"]:
+        raise PPTError(
+            f"{out} was prepared with tokenizer {meta['tokenizer']['name']}, not {expected['tokenizer']['name']}; "
+            "pass another --out, or delete the directory to start over"
+        )
+
+
+def remove_leftovers(out: Path, meta: dict) -> None:
+    """Temp files of a killed write, and shards written after the last progress update (rewritten anyway)."""
+    for tmp in out.glob(".*.tmp"):
+        tmp.unlink()
+    for split in ("val", "train"):
+        for path in out.glob(f"{split}_[0-9][0-9][0-9][0-9][0-9].bin"):
+            if int(path.stem[-5:]) >= meta[split]["shards"]:
+                path.unlink()
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+
+
+def prepare(args: argparse.Namespace) -> None:
+    kind = args.source[0] if args.source in (["fineweb"], ["demo"]) else "local"
+    if kind == "local" and {"fineweb", "demo"} & set(args.source):
+        raise PPTError("--source takes fineweb, demo, or local files, not a mix")
+    defaults = DEFAULTS[kind]
+    shard_tokens = args.shard_tokens or defaults.shard_tokens
+    val_tokens = args.val_tokens or defaults.val_tokens
+    target_shards = args.shards if args.shards is not None else defaults.shards
+    if shard_tokens < 2 or val_tokens < 2 or (target_shards is not None and target_shards < 1):
+        raise PPTError("--shard-tokens and --val-tokens must be at least 2 and --shards at least 1")
+    out = (args.out or default_data_dir(kind)).expanduser()
+    files = resolve_local_files(args.source) if kind == "local" else []
+    source: str | list[str] = [str(f) for f in files] if files else kind
+
+    meta = read_meta(out) if (out / "meta.json").is_file() else None
+    fresh = meta is None or not (meta["val"]["shards"] or meta["train"]["shards"])
+    if fresh:
+        if meta is None and out.is_dir() and any(out.glob("*.bin")):
+            raise PPTError(f"{out} holds shards but no meta.json; delete them or pass another --out")
+        if kind == "demo":
+            tokenizer = train_demo_tokenizer(demo_documents(), args.vocab_size)
+        else:
+            tokenizer = load_tokenizer(args.tokenizer)
+        meta = new_meta(source, tokenizer, shard_tokens, val_tokens)
+    else:  # resume with the tokenizer that made the finished shards and the settings they were made with
+        tokenizer = load_data_tokenizer(out)
+        if kind == "demo" and tokenizer.vocab_size != args.vocab_size:
+            raise PPTError(f"{out} holds a demo tokenizer of vocab {tokenizer.vocab_size}; pass another --out")
+        requested = tokenizer if kind == "demo" else load_tokenizer(args.tokenizer)
+        check_resumable(out, meta, new_meta(source, requested, shard_tokens, val_tokens))
+        if ShardWriter.finished(meta, target_shards):
+            print(f"{out} is already prepared ({meta['train']['shards']} train shards + val); nothing to do")
+            return
+        done, skip = meta["train"]["shards"], meta["progress"]["docs_consumed"]
+        print(f"resuming {out}: {done} train shards done, skipping the {skip:,} documents they hold")
+
+    skip = meta["progress"]["docs_consumed"]
+    if kind == "fineweb":
+        documents = open_fineweb(skip)  # before writing anything: an unreachable hub leaves no trace
+    else:
+        documents = itertools.islice(demo_documents() if kind == "demo" else local_documents(files), skip, None)
+    if fresh:
+        tokenizer.save(out)
+        write_meta(out, meta)
+    remove_leftovers(out, meta)
+
+    writer = ShardWriter(out, meta, tokenizer, target_shards)
+    remaining = None
+    if target_shards is not None:
+        remaining = (0 if writer.val is None else val_tokens) + (target_shards - meta["train"]["shards"]) * shard_tokens
+    start = time.perf_counter()
+    try:
+        with tqdm(total=remaining, unit="tok", unit_scale=True, desc="tokenizing", disable=None) as progress:
+            for lengths, tokens in encode_in_order(batched(documents, DOCS_PER_TASK), tokenizer, args.workers):
+                writer.feed(lengths, tokens)
+                progress.update(tokens.size)
+                if writer.done:
+                    break
+            else:
+                writer.finish()
+    except BaseException:
+        if fresh and meta["train"]["shards"] == 0:  # failed before the first shard: leave no half-made directory
+            for name in ("meta.json", "tokenizer.json"):
+                (out / name).unlink(missing_ok=True)
+        raise
+    elapsed = time.perf_counter() - start
+    print(
+        f"wrote {writer.tokens_written:,} tokens in {elapsed:.1f}s ({writer.tokens_written / elapsed:,.0f} tokens/s, "
+        f"{args.workers} workers); {out} now has {meta['train']['shards']} train shards "
+        f"({meta['train']['tokens']:,} tokens) and a val shard ({meta['val']['tokens']:,} tokens)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        prepare(args)
+    except PPTError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; finished shards are kept, re-run the same command to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

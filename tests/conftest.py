@@ -1,0 +1,59 @@
+"""Shared fixtures. Every test runs offline with a private cache dir, so nothing reads or writes ~/.cache/ppt."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ppt.data import write_shard
+
+# Set before any test module imports huggingface_hub, which reads these once at import.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+DEMO_VOCAB = 512  # small enough that training and tokenizing the demo corpus take well under a second
+
+
+@pytest.fixture(autouse=True)
+def offline_private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # again, in case a test changed it
+    cache = tmp_path_factory.mktemp("ppt_cache")
+    monkeypatch.setenv("PPT_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="session")
+def demo_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The offline demo corpus prepared into small shards (vocab 512, 8k-token train shards, 4k val); read-only."""
+    from scripts.prepare_fineweb import main
+
+    out = tmp_path_factory.mktemp("demo_data")
+    argv = ["--source", "demo", "--out", str(out), "--vocab-size", str(DEMO_VOCAB), "--workers", "1"]
+    assert main([*argv, "--shard-tokens", "8000", "--val-tokens", "4000"]) == 0
+    return out
+
+
+@pytest.fixture
+def make_token_dir(tmp_path: Path) -> Callable[..., Path]:
+    """Returns write(splits, vocab_size, eot_id=0): hand-made streams {"train": [stream, ...], "val": [...]} as a
+    data directory under tmp_path (fingerprint "ab" * 32, tokenizer name "test-tokenizer")."""
+
+    def write(splits: dict[str, list[np.ndarray]], vocab_size: int, eot_id: int = 0) -> Path:
+        for split, streams in splits.items():
+            for index, stream in enumerate(streams):
+                write_shard(
+                    tmp_path / "data" / f"{split}_{index:05d}.bin",
+                    stream,
+                    vocab_size=vocab_size,
+                    eot_id=eot_id,
+                    fingerprint="ab" * 32,
+                    demo=False,
+                    tokenizer_name="test-tokenizer",
+                )
+        return tmp_path / "data"
+
+    return write

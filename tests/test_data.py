@@ -1,0 +1,196 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ppt.common import PPTError
+from ppt.data import HEADER_BYTES, DataLoader, dataset_fingerprint, read_shard, write_shard
+
+FP = "ab" * 32
+
+
+def stream_with_docs(length: int, doc_every: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """EOT (0) first and every `doc_every` tokens; other tokens random in [1, vocab)."""
+    tokens = np.random.default_rng(seed).integers(1, vocab, size=length)
+    tokens[::doc_every] = 0
+    return tokens
+
+
+def unique_stream(length: int, start: int, doc_every: int) -> np.ndarray:
+    """Every non-EOT token distinct (so a row's first token names it); EOT (0) at 0 and every doc_every."""
+    tokens = np.arange(start, start + length)
+    tokens[::doc_every] = 0
+    return tokens
+
+
+def row_ids(batch: tuple[torch.Tensor, ...]) -> list[int]:
+    """With unique_stream, the first target (stream position i*T+1, never an EOT below) identifies row i."""
+    return batch[1][:, 0].tolist()
+
+
+# ---- shards --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab, itemsize", [(4096, 2), (65536, 2), (100_000, 4)])
+def test_shard_round_trip(tmp_path, vocab, itemsize):
+    tokens = stream_with_docs(1000, 37, vocab)
+    tokens[5] = vocab - 1
+    path = tmp_path / "train_00000.bin"
+    write_shard(path, tokens, vocab_size=vocab, eot_id=0, fingerprint=FP, demo=True, tokenizer_name="demo-bpe")
+    info, read = read_shard(path, expected_fingerprint=FP)
+    np.testing.assert_array_equal(read, tokens)
+    assert path.stat().st_size == HEADER_BYTES + itemsize * tokens.size
+    assert (info.num_tokens, info.vocab_size, info.eot_id, info.dtype.itemsize) == (1000, vocab, 0, itemsize)
+    assert (info.tokenizer_fingerprint, info.tokenizer_name, info.is_demo) == (FP, "demo-bpe", True)
+
+
+def test_bad_magic_and_truncation_are_named(tmp_path):
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x00" * 4096)
+    with pytest.raises(PPTError, match="not a ppt shard.*prepare"):
+        read_shard(junk)
+    path = tmp_path / "train_00000.bin"
+    write_shard(path, stream_with_docs(100, 10, 500), vocab_size=500, eot_id=0, fingerprint=FP, demo=False)
+    with open(path, "r+b") as f:
+        f.truncate(HEADER_BYTES + 150)
+    with pytest.raises(PPTError, match="truncated shard.*re-run prepare"):
+        read_shard(path)
+
+
+def test_fingerprint_mismatch_names_both_tokenizers(tmp_path):
+    path = tmp_path / "train_00000.bin"
+    tokens = stream_with_docs(100, 10, 500)
+    write_shard(path, tokens, vocab_size=500, eot_id=0, fingerprint=FP, demo=True, tokenizer_name="demo-bpe-500")
+    other = "cd" * 32
+    with pytest.raises(PPTError) as err:
+        read_shard(path, expected_fingerprint=other, expected_name="HuggingFaceTB/cosmo2-tokenizer")
+    message = str(err.value)
+    assert "demo-bpe-500" in message and "demo" in message and FP[:16] in message
+    assert "cosmo2" in message and other[:16] in message
+
+
+def test_write_rejects_tokens_outside_vocab_and_leaves_no_file(tmp_path):
+    tokens = stream_with_docs(100, 10, 500)
+    tokens[[7, 9]] = [500, 900]
+    path = tmp_path / "train_00000.bin"
+    with pytest.raises(PPTError, match="token id 500 at position 7"):
+        write_shard(path, tokens, vocab_size=500, eot_id=0, fingerprint=FP, demo=False)
+    with pytest.raises(PPTError, match="must start with EOT"):
+        write_shard(path, np.arange(1, 10), vocab_size=500, eot_id=0, fingerprint=FP, demo=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_data_dir_names_the_prepare_command(tmp_path):
+    with pytest.raises(PPTError, match="does not exist.*scripts.prepare_fineweb"):
+        DataLoader(tmp_path / "nowhere", "train", 2, 8)
+    with pytest.raises(PPTError, match="no val shards.*scripts.prepare_fineweb"):
+        DataLoader(tmp_path, "val", 2, 8)
+
+
+# ---- loader --------------------------------------------------------------------------------------------------------
+
+
+def test_packing_targets_shift_and_doc_pos_resets_at_eot(make_token_dir):
+    vocab, T = 1000, 16
+    streams = [stream_with_docs(500, 13, vocab, seed=1), stream_with_docs(301, 7, vocab, seed=2)]
+    data_dir = make_token_dir({"train": streams}, vocab)
+    loader = DataLoader(data_dir, "train", batch_size=4, seq_len=T)
+    all_rows = {tuple(s[i * T : i * T + T + 1]) for s in streams for i in range((s.size - 1) // T)}
+    for _ in range(10):
+        inputs, targets, doc_pos = next(loader)
+        assert inputs.dtype == targets.dtype == torch.int64 and doc_pos.dtype == torch.int32
+        assert inputs.shape == targets.shape == doc_pos.shape == (4, T)
+        for x, y, pos in zip(inputs.tolist(), targets.tolist(), doc_pos.tolist()):
+            assert tuple([*x, y[-1]]) in all_rows  # row = T+1 consecutive stream tokens, targets = inputs shifted
+            assert x[1:] == y[:-1]
+            expected, current = [], 0
+            for t, token in enumerate(x):
+                current = 0 if (t == 0 or token == 0) else current + 1
+                expected.append(current)
+            assert pos == expected
+
+
+def epoch_rows(data_dir, world_size, rank, seed=0, epoch=0, B=3, T=10):
+    loader = DataLoader(data_dir, "train", B, T, rank=rank, world_size=world_size, seed=seed)
+    rows = []
+    while len(rows) < loader.rows_per_rank * (epoch + 1):
+        rows += row_ids(next(loader))
+    return rows[loader.rows_per_rank * epoch : loader.rows_per_rank * (epoch + 1)]
+
+
+def test_ranks_are_disjoint_and_cover_the_same_rows(make_token_dir):
+    T = 10
+    streams = [unique_stream(401, 1, 1_000_000), unique_stream(241, 5000, 1_000_000), unique_stream(161, 9000, 10**6)]
+    data_dir = make_token_dir({"train": streams}, 20_000)
+    everything = {int(s[i * T + 1]) for s in streams for i in range((s.size - 1) // T)}
+    assert len(everything) == 40 + 24 + 16
+    one = epoch_rows(data_dir, 1, 0)
+    assert sorted(one) == sorted(everything)  # an epoch visits every row once
+    rank0, rank1 = epoch_rows(data_dir, 2, 0), epoch_rows(data_dir, 2, 1)
+    assert not set(rank0) & set(rank1)
+    assert sorted(rank0 + rank1) == sorted(everything)
+    # round robin over the same global order as world size 1
+    assert rank0 == one[0::2] and rank1 == one[1::2]
+    # each epoch reshuffles from (seed, epoch); the seed changes the order, not the set
+    assert sorted(epoch_rows(data_dir, 1, 0, epoch=1)) == sorted(everything)
+    assert epoch_rows(data_dir, 1, 0, epoch=1) != one
+    assert epoch_rows(data_dir, 1, 0, seed=1) != one and epoch_rows(data_dir, 1, 0) == one
+
+
+def test_state_dict_resumes_the_same_batches_across_an_epoch_boundary(make_token_dir):
+    streams = [unique_stream(201, 1, 50), unique_stream(151, 3000, 50)]
+    data_dir = make_token_dir({"train": streams}, 10_000)
+    loader = DataLoader(data_dir, "train", batch_size=3, seq_len=10, rank=1, world_size=2, seed=7)
+    assert loader.rows_per_rank == 17
+    for _ in range(4):
+        next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = [next(loader) for _ in range(6)]  # crosses into epoch 1
+    assert loader.epoch == 1
+    resumed = DataLoader(data_dir, "train", batch_size=3, seq_len=10, rank=1, world_size=2, seed=7)
+    resumed.load_state_dict(state)
+    for want, got in zip(expected, (next(resumed) for _ in range(6))):
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
+    other_world = DataLoader(data_dir, "train", batch_size=3, seq_len=10, world_size=1, seed=7)
+    with pytest.raises(PPTError, match="world_size=2"):
+        other_world.load_state_dict(state)
+
+
+def test_val_batches_fixed_order_and_budget(make_token_dir):
+    T = 10
+    val = [unique_stream(101, 1, 10**6), unique_stream(51, 500, 10**6)]  # 10 + 5 rows
+    data_dir = make_token_dir({"train": [unique_stream(101, 2000, 10**6)], "val": val}, 10_000)
+    file_order = [int(s[i * T + 1]) for s in val for i in range((s.size - 1) // T)]
+    loader = DataLoader(data_dir, "val", batch_size=4, seq_len=T)
+    rows = [r for batch in loader.val_batches(12 * T + 5) for r in row_ids(batch)]
+    assert rows == file_order[:12]
+    assert [r for batch in loader.val_batches(10**9) for r in row_ids(batch)] == file_order
+    # two ranks split the same budget round robin, with equal batch counts
+    shares = [
+        [row_ids(b) for b in DataLoader(data_dir, "val", 4, T, rank=r, world_size=2).val_batches(12 * T)]
+        for r in (0, 1)
+    ]
+    assert len(shares[0]) == len(shares[1]) == 2
+    assert sum(shares[0], []) == file_order[0:12:2] and sum(shares[1], []) == file_order[1:12:2]
+    with pytest.raises(PPTError, match="less than one row"):
+        next(loader.val_batches(T - 1))
+
+
+def test_loader_checks_tokenizer_fingerprint_and_dataset_fingerprint_tracks_content(make_token_dir):
+    data_dir = make_token_dir({"train": [stream_with_docs(200, 9, 300)], "val": [stream_with_docs(50, 9, 300)]}, 300)
+    with pytest.raises(PPTError, match="test-tokenizer.*expects"):
+        DataLoader(data_dir, "train", 2, 8, expected_fingerprint="cd" * 32)
+    loader = DataLoader(data_dir, "train", 2, 8, expected_fingerprint=FP)
+    before = loader.fingerprint()
+    assert before == dataset_fingerprint(data_dir)
+    changed = stream_with_docs(200, 9, 300, seed=5)
+    write_shard(data_dir / "train_00000.bin", changed, vocab_size=300, eot_id=0, fingerprint=FP, demo=False)
+    assert dataset_fingerprint(data_dir) != before
+
+
+def test_too_little_data_for_one_row_per_rank(make_token_dir):
+    data_dir = make_token_dir({"train": [stream_with_docs(30, 9, 300)]}, 300)
+    with pytest.raises(PPTError, match="too few for one row"):
+        DataLoader(data_dir, "train", 2, 16, rank=1, world_size=2)

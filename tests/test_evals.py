@@ -1,0 +1,273 @@
+"""The lm-eval adapter against hand-computed loglikelihoods (a bigram toy and a tiny Llama), through lm-eval's own
+simple_evaluate on local tasks (no hub access), plus presets, task checks and the import contract."""
+
+import ast
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("lm_eval")
+
+import lm_eval  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from ppt.common import PPTError  # noqa: E402
+from ppt.evals import (  # noqa: E402
+    PROTOCOLS,
+    PPTLM,
+    Benchmark,
+    check_tasks,
+    demo_examples,
+    parse_tasks,
+    protocol,
+    run_benchmarks,
+    task_manager,
+    write_choice_task,
+)
+from ppt.model import LlamaConfig, build_model  # noqa: E402
+from ppt.tokenizer import train_demo_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TEXTS = [
+    f"Section {i}. The interpreter reads a line, compiles it and runs the code object; errors print a traceback "
+    f"that names file {i % 7} and line {i * 3}. Modules are cached after the first import."
+    for i in range(60)
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_demo_tokenizer(TEXTS, vocab_size=320)
+
+
+class Bigram(nn.Module):
+    """logits at t depend on idx[t] only, so any loglikelihood is a sum of table lookups, whatever the windows."""
+
+    def __init__(self, vocab_size: int, max_seq_len: int = 24) -> None:
+        super().__init__()
+        self.config = LlamaConfig(1, 1, 1, 8, 8, vocab_size=vocab_size, max_seq_len=max_seq_len)
+        self.table = nn.Parameter(torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
+        assert idx.shape[1] <= self.config.max_seq_len
+        return self.table[idx]
+
+    def logprob(self, previous: int, token: int) -> float:
+        return torch.log_softmax(self.table[previous].double(), -1)[token].item()
+
+
+def tiny_llama(vocab_size: int, max_seq_len: int = 32) -> nn.Module:
+    config = LlamaConfig(n_layer=2, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=vocab_size,
+                         max_seq_len=max_seq_len)
+    model = build_model(config)
+    torch.manual_seed(0)
+    model.init_weights()
+    return model.eval()
+
+
+def requests(kind, pairs):
+    return [Instance(kind, {}, args, i) for i, args in enumerate(pairs)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The adapter on hand-made requests
+
+
+def test_loglikelihood_is_the_sum_over_the_continuation_after_an_eot_prefix(tokenizer):
+    model = Bigram(tokenizer.vocab_size)
+    lm = PPTLM(model, tokenizer, batch_size=3)
+    pairs = [("Modules are", " cached"), ("The interpreter reads", " a line, compiles"), ("", "Section 3.")]
+    out = lm.loglikelihood(requests("loglikelihood", pairs))
+    for (context, continuation), (logprob, greedy) in zip(pairs, out):
+        tokens = [tokenizer.eot_id, *tokenizer.backend.encode(context + continuation).ids]
+        n_context = 1 + len(tokenizer.backend.encode(context).ids)
+        expected = sum(model.logprob(tokens[i - 1], tokens[i]) for i in range(n_context, len(tokens)))
+        assert logprob == pytest.approx(expected, abs=1e-5)
+        argmax = [int(model.table[tokens[i - 1]].argmax()) == tokens[i] for i in range(n_context, len(tokens))]
+        assert greedy == all(argmax)
+
+
+def test_batching_and_padding_do_not_change_scores(tokenizer):
+    model = tiny_llama(tokenizer.vocab_size)
+    pairs = [(text[:40], text[40:70]) for text in TEXTS[:7]] + [("A", " b"), ("Section", " 1")]
+    one = PPTLM(model, tokenizer, batch_size=1).loglikelihood(requests("loglikelihood", pairs))
+    many = PPTLM(model, tokenizer, batch_size=4).loglikelihood(requests("loglikelihood", pairs))
+    assert [g for _, g in one] == [g for _, g in many]
+    assert [lp for lp, _ in one] == pytest.approx([lp for lp, _ in many], abs=1e-5)
+
+
+def test_long_context_is_left_truncated_and_the_continuation_kept(tokenizer):
+    L = 32
+    model = tiny_llama(tokenizer.vocab_size, max_seq_len=L)
+    context, continuation = " ".join(TEXTS[:3]), " Modules are cached"
+    lm = PPTLM(model, tokenizer)
+    (logprob, _), = lm.loglikelihood(requests("loglikelihood", [(context, continuation)]))
+    tokens = [tokenizer.eot_id, *tokenizer.backend.encode(context + continuation).ids]
+    n_cont = len(tokens) - 1 - len(tokenizer.backend.encode(context).ids)
+    assert len(tokens) > L + 1
+    window = torch.tensor([tokens[-(L + 1) :]])
+    logp = torch.log_softmax(model(window[:, :-1])[0, -n_cont:].double(), -1)
+    expected = logp.gather(-1, window[0, -n_cont:, None]).sum().item()
+    assert logprob == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(PPTError, match="continuation of"):
+        lm.loglikelihood(requests("loglikelihood", [("x", " ".join(TEXTS[:3]))]))
+
+
+def test_rolling_loglikelihood_predicts_every_token_once_over_sliding_windows(tokenizer):
+    model = Bigram(tokenizer.vocab_size, max_seq_len=16)
+    texts = [" ".join(TEXTS[:4]), "Section 1."]
+    out = PPTLM(model, tokenizer, batch_size=5).loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
+    for text, total in zip(texts, out):
+        tokens = [tokenizer.eot_id, *tokenizer.backend.encode(text).ids]
+        assert total == pytest.approx(sum(model.logprob(a, b) for a, b in zip(tokens, tokens[1:])), abs=1e-4)
+    assert len(tokenizer.backend.encode(texts[0]).ids) > 3 * 16, "the first text must span several windows"
+
+
+def test_generation_is_refused(tokenizer):
+    lm = PPTLM(Bigram(tokenizer.vocab_size), tokenizer)
+    with pytest.raises(PPTError, match="generation is not supported"):
+        lm.generate_until(requests("generate_until", [("Hi", {"until": ["\n"]})]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Through lm-eval on local tasks
+
+
+def write_rolling_task(directory: Path, name: str, texts: list[str]) -> None:
+    data = directory / f"{name}.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    config = {"task": name, "dataset_path": "json", "output_type": "loglikelihood_rolling", "test_split": "test",
+              "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(directory / "hf_cache")},
+              "doc_to_text": "", "doc_to_target": "{{text}}",
+              "metric_list": [{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}]}
+    (directory / f"{name}.yaml").write_text(json.dumps(config))
+
+
+def test_simple_evaluate_on_local_multiple_choice_and_rolling_tasks(tokenizer, tmp_path):
+    examples = demo_examples([" ".join(TEXTS)], n=12, seed=1)
+    assert {len(e["choices"]) for e in examples} == {4} and all(0 <= e["label"] < 4 for e in examples)
+    write_choice_task(examples, tmp_path, "mc_local")
+    write_rolling_task(tmp_path, "rolling_local", TEXTS[:3])
+    manager = task_manager([tmp_path], include_defaults=False)
+    model = Bigram(tokenizer.vocab_size, max_seq_len=32)  # contexts are longer: truncated, which a bigram ignores
+    lm = PPTLM(model, tokenizer, batch_size=8)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["mc_local", "rolling_local"], task_manager=manager,
+                                  bootstrap_iters=0, log_samples=True)
+
+    def score(context, continuation):
+        tokens = [tokenizer.eot_id, *tokenizer.backend.encode(context + continuation).ids]
+        start = 1 + len(tokenizer.backend.encode(context).ids)
+        return sum(model.logprob(tokens[i - 1], tokens[i]) for i in range(start, len(tokens)))
+
+    correct = 0
+    for sample in out["samples"]["mc_local"]:
+        doc = sample["doc"]
+        got = [lp for lp, _ in sample["filtered_resps"]]
+        expected = [score(doc["context"], " " + choice) for choice in doc["choices"]]  # lm-eval's " " delimiter
+        assert got == pytest.approx(expected, abs=1e-4)
+        correct += max(range(4), key=lambda k: got[k]) == doc["label"]
+    assert out["results"]["mc_local"]["acc,none"] == pytest.approx(correct / len(examples))
+
+    total_words = sum(len(t.split()) for t in TEXTS[:3])
+    total_ll = sum(sample["filtered_resps"][0] for sample in out["samples"]["rolling_local"])
+    for sample in out["samples"]["rolling_local"]:
+        tokens = [tokenizer.eot_id, *tokenizer.backend.encode(sample["doc"]["text"]).ids]
+        expected = sum(model.logprob(a, b) for a, b in zip(tokens, tokens[1:]))
+        assert sample["filtered_resps"][0] == pytest.approx(expected, abs=1e-4)
+    assert out["results"]["rolling_local"]["word_perplexity,none"] == pytest.approx(math.exp(-total_ll / total_words))
+
+
+def test_run_benchmarks_reports_rows_in_percent(tokenizer, tmp_path):
+    write_choice_task(demo_examples([" ".join(TEXTS)], n=8), tmp_path, "mc_a")
+    write_choice_task(demo_examples([" ".join(TEXTS)], n=8, seed=3), tmp_path, "mc_b")
+    manager = task_manager([tmp_path], include_defaults=False)
+    benchmarks = (Benchmark("Both", ("mc_a", "mc_b"), 0, "acc"), Benchmark("B few-shot", ("mc_b",), 2, "acc_norm"))
+    check_tasks(manager, benchmarks)
+    result = run_benchmarks(PPTLM(Bigram(tokenizer.vocab_size, 64), tokenizer), benchmarks, manager, bootstrap_iters=0)
+    a, b = (result["tasks"][t]["metrics"]["acc"] for t in ("mc_a", "mc_b"))
+    assert result["rows"]["Both"] == pytest.approx(100 * (a + b) / 2)
+    assert result["tasks"]["mc_b"]["num_fewshot"] == 2 and result["tasks"]["mc_a"]["num_fewshot"] == 0
+    assert result["metrics"] == {"Both": "acc", "B few-shot": "acc_norm"}
+    assert result["avg"] == pytest.approx(sum(result["rows"].values()) / 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Presets and task checks
+
+
+def test_presets_resolve_to_the_protocol_tasks_and_shots():
+    def shots(name):
+        return {task: b.num_fewshot for b in protocol(name) for task in b.tasks}
+
+    assert shots("ppt") == {"lambada_openai": 0, "hellaswag": 0, "piqa": 0, "winogrande": 5, "arc_easy": 25,
+                            "arc_challenge": 25, "mmlu": 5}
+    assert shots("mor") == {**{t: 0 for t in shots("ppt")}, "mmlu": 5}
+    assert [b.label for b in PROTOCOLS["ppt"]] == ["LAMBADA", "HellaSwag", "PIQA", "WinoGrande", "ARC", "MMLU"]
+    assert next(b for b in PROTOCOLS["ppt"] if b.label == "ARC").tasks == ("arc_easy", "arc_challenge")
+    with pytest.raises(PPTError, match="unknown protocol"):
+        protocol("helm")
+    # the names exist in lm-eval's own task folders and are scored by loglikelihood (index only these folders: fast)
+    root = Path(lm_eval.__file__).parent / "tasks"
+    folders = [root / f for f in ("lambada", "hellaswag", "piqa", "winogrande", "arc", "mmlu/default")]
+    check_tasks(task_manager(folders, include_defaults=False), PROTOCOLS["ppt"])
+
+
+def test_parse_tasks_and_task_errors(tmp_path):
+    assert parse_tasks("hellaswag, arc_easy:25", num_fewshot=3) == (
+        Benchmark("hellaswag", ("hellaswag",), 3, ""), Benchmark("arc_easy", ("arc_easy",), 25, ""))
+    with pytest.raises(PPTError, match="shot count"):
+        parse_tasks("arc_easy:many")
+    with pytest.raises(PPTError, match="empty"):
+        parse_tasks(" , ")
+    write_choice_task(demo_examples([" ".join(TEXTS)], n=4), tmp_path, "local_choice")
+    config = {"task": "local_generate", "dataset_path": "json", "output_type": "generate_until", "test_split": "test",
+              "doc_to_text": "{{context}}", "doc_to_target": "{{answer}}"}
+    (tmp_path / "local_generate.yaml").write_text(json.dumps(config))
+    manager = task_manager([tmp_path], include_defaults=False)
+    with pytest.raises(PPTError, match="did you mean local_choice"):
+        check_tasks(manager, parse_tasks("local_choise"))
+    with pytest.raises(PPTError, match="generate_until"):
+        check_tasks(manager, parse_tasks("local_generate"))
+    with pytest.raises(PPTError, match="not a directory"):
+        task_manager([tmp_path / "missing"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Contract
+
+
+def ppt_imports(module: str, seen: set[str]) -> set[str]:
+    """Every ppt.* module `module` imports, transitively (read from the source, nothing executed)."""
+    if module in seen:
+        return seen
+    seen.add(module)
+    path = REPO / (module.replace(".", "/") + ".py")
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            if name.startswith("ppt.") and (REPO / (name.replace(".", "/") + ".py")).is_file():
+                ppt_imports(name, seen)
+    return seen
+
+
+@pytest.mark.parametrize("module", ["ppt.evals", "ppt.loss_eval"])
+def test_measurement_never_imports_the_model(module):
+    assert "ppt.model" not in ppt_imports(module, set())
+
+
+def test_missing_lm_eval_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # makes `import lm_eval` raise ImportError
+    spec = importlib.util.spec_from_file_location("ppt_evals_without_lm_eval", REPO / "ppt" / "evals.py")
+    with pytest.raises(PPTError, match="uv sync --extra eval"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))

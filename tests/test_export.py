@@ -1,0 +1,115 @@
+"""Hugging Face export: the folder loads as LlamaForCausalLM with the same logits, its tokenizer adds the EOT prefix,
+and lm-eval's own HFLM on the export scores a local task exactly as ppt's adapter does (the parity oracle)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+lm_eval = pytest.importorskip("lm_eval")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from ppt.common import PPTError  # noqa: E402
+from ppt.evals import PPTLM, demo_examples, task_manager, write_choice_task  # noqa: E402
+from ppt.model import LlamaConfig, build_model  # noqa: E402
+from ppt.tokenizer import train_demo_tokenizer  # noqa: E402
+from scripts.export_hf import export_llama, hf_state_dict  # noqa: E402
+
+TEXT = " ".join(
+    f"Paragraph {i}: a generator yields values lazily; the caller resumes it with next() until StopIteration, "
+    f"and naïve code that builds lists of {i * 11} items first wastes memory."
+    for i in range(40)
+)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny randomly initialized vanilla model (max length 48, GQA, non-default rope theta) and its export."""
+    tokenizer = train_demo_tokenizer([TEXT], vocab_size=300)
+    config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, vocab_size=tokenizer.vocab_size,
+                         max_seq_len=48, rope_theta=500.0, rms_eps=1e-6)
+    model = build_model(config)
+    torch.manual_seed(0)
+    model.init_weights()
+    out = tmp_path_factory.mktemp("export") / "tiny-llama"
+    export_llama(model.state_dict(), {"class": "LlamaConfig", **dataclasses.asdict(config)}, tokenizer, out)
+    return model.eval(), tokenizer, out
+
+
+def test_export_loads_as_llama_with_the_same_logits_and_an_eot_prefixing_tokenizer(exported):
+    model, tokenizer, out = exported
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                      "tokenizer_config.json"]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.tie_word_embeddings
+    hf_tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = hf_tokenizer.encode("a generator yields values lazily")
+    assert ids == [tokenizer.eot_id, *tokenizer.backend.encode("a generator yields values lazily").ids]
+    idx = torch.randint(0, tokenizer.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx), atol=1e-5, rtol=1e-5)
+
+
+def test_hflm_on_the_export_matches_the_adapter(exported, tmp_path):
+    """Same per-request loglikelihoods (<= 1e-4) and the same accuracy on a local multiple-choice task whose
+    contexts overflow the 48-token window (both left-truncate) and on a rolling-loglikelihood task."""
+    pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (lm-eval's hf extra)")
+    from lm_eval.models.huggingface import HFLM
+    model, tokenizer, out = exported
+    examples = demo_examples([TEXT], n=16, seed=2)
+    assert max(len(tokenizer.backend.encode(e["context"]).ids) for e in examples) > 48, "exercise truncation"
+    write_choice_task(examples, tmp_path, "parity_choice")
+    data = tmp_path / "parity_rolling.jsonl"
+    data.write_text("".join(json.dumps({"text": TEXT[i : i + 400]}) + "\n" for i in range(0, 1600, 400)))
+    rolling = {"task": "parity_rolling", "dataset_path": "json", "output_type": "loglikelihood_rolling",
+               "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(tmp_path / "hf_cache")},
+               "test_split": "test", "doc_to_text": "", "doc_to_target": "{{text}}",
+               "metric_list": [{"metric": "word_perplexity", "aggregation": "weighted_perplexity",
+                                "higher_is_better": False}]}
+    (tmp_path / "parity_rolling.yaml").write_text(json.dumps(rolling))
+    manager = task_manager([tmp_path], include_defaults=False)
+
+    def evaluate(lm, task):
+        result = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, bootstrap_iters=0,
+                                         log_samples=True)
+        return result["results"][task], [s["filtered_resps"] for s in result["samples"][task]]
+
+    ours = PPTLM(model, tokenizer, device="cpu", batch_size=4)
+    # add_bos_token=True: HFLM prefixes contexts with the exported BOS, which is ppt's EOT
+    hflm = HFLM(pretrained=str(out), device="cpu", dtype="float32", batch_size=4, add_bos_token=True)
+    ours_metrics, ours_resps = evaluate(ours, "parity_choice")
+    hf_metrics, hf_resps = evaluate(hflm, "parity_choice")
+    assert len(ours_resps) == 16
+    for mine, theirs in zip(ours_resps, hf_resps):
+        assert [lp for lp, _ in mine] == pytest.approx([lp for lp, _ in theirs], abs=1e-4)
+        assert [g for _, g in mine] == [g for _, g in theirs]
+    assert ours_metrics["acc,none"] == hf_metrics["acc,none"]
+    assert ours_metrics["acc_norm,none"] == hf_metrics["acc_norm,none"]
+
+    # Rolling: HFLM would tokenize the text *with* its BOS and then also prepend the prefix token, scoring the BOS
+    # itself; without add_bos_token it scores EOT + text exactly as the adapter does.
+    hflm_rolling = HFLM(pretrained=str(out), device="cpu", dtype="float32", batch_size=4, add_bos_token=False)
+    _, ours_rolling = evaluate(ours, "parity_rolling")
+    _, hf_rolling = evaluate(hflm_rolling, "parity_rolling")
+    assert [r[0] for r in ours_rolling] == pytest.approx([r[0] for r in hf_rolling], abs=1e-4)
+
+
+def test_export_refuses_other_architectures_unknown_weights_and_existing_folders(exported, tmp_path):
+    model, tokenizer, out = exported
+    config = {"class": "MultiscreenConfig", "vocab_size": tokenizer.vocab_size}
+    with pytest.raises(PPTError, match="only the vanilla Llama"):
+        export_llama({}, config, tokenizer, tmp_path / "ms")
+    assert not (tmp_path / "ms").exists()
+    with pytest.raises(PPTError, match="no Hugging Face Llama counterpart"):
+        hf_state_dict({"blocks.0.attn.gate.weight": torch.zeros(2)})
+    llama = {"class": "LlamaConfig", **dataclasses.asdict(model.config)}
+    again = export_llama(model.state_dict(), llama, tokenizer, tmp_path / "again")
+    with pytest.raises(PPTError, match="exists and is not empty"):
+        export_llama(model.state_dict(), llama, tokenizer, again)
+    export_llama(model.state_dict(), llama, tokenizer, again, dtype=torch.bfloat16, overwrite=True)
+    assert json.loads((again / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"], "no staging folder left behind"

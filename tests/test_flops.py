@@ -1,0 +1,237 @@
+"""The analytic cost model: counts against closed forms and FlopCounterMode, formulas of custom ops, roofline math."""
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from ppt.common import PPTError
+from ppt.flops import DEVICES, Cost, cost, find_device, main, mfu_flops_per_token, peak_flops, utilization
+from ppt.model import build_model, get_config
+
+B16 = torch.bfloat16
+
+
+def matmul_flops(step: Cost) -> float:
+    return sum(sum(step.flops.get((p, "matmul"), {}).values()) for p in ("primal", "adjoint"))
+
+
+class TiedMLPLM(nn.Module):
+    """Embedding, a two-layer MLP and a tied head: every matmul parameter is known by hand."""
+
+    def __init__(self, vocab: int = 64, d: int = 16, hidden: int = 48) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        x = x + self.down(F.relu(self.up(x)))
+        logits = F.linear(x, self.embed.weight)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class HandAttentionLM(nn.Module):
+    """Attention written as two bmm's (no SDPA), so the attention term must come from the matmuls themselves."""
+
+    def __init__(self, vocab: int = 64, d: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, idx, targets=None):
+        q, k, v = self.qkv(self.embed(idx)).chunk(3, dim=-1)
+        y = torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v
+        return F.cross_entropy(F.linear(y, self.embed.weight).flatten(0, 1), targets.flatten())
+
+
+def test_smollm_360m_params_and_flops_per_token_match_the_closed_form():
+    with torch.device("meta"):
+        model = build_model(get_config("smollm-360m"))
+    L, H, Q, T, d, V = 32, 15, 64, 2048, 960, 49152
+    roles = model.param_roles()
+    non_embedding = sum(p.numel() for name, p in model.named_parameters() if roles[name] != "embedding")
+    per_token = mfu_flops_per_token(model, T)
+
+    matmul_params = L * (2 * d * d + 2 * d * (5 * Q) + 3 * d * 2560) + V * d  # q, o, k, v, MLP; the tied head once
+    assert non_embedding == pytest.approx(314.6e6, rel=1e-3)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(362e6, rel=1e-2)
+    assert per_token["params_matmul"] == matmul_params
+    assert per_token["flops_per_token_6n"] == pytest.approx(2.17e9, rel=1e-2)
+    assert per_token["attention_flops_per_token"] == pytest.approx(0.755e9, rel=1e-2)
+    assert per_token["attention_flops_per_token"] == 12 * L * H * Q * T  # the convention, exactly
+    assert per_token["flops_per_token"] == pytest.approx(6 * matmul_params + 12 * L * H * Q * T, rel=1e-2)
+
+
+def test_matmul_flops_equal_flop_counter_mode_on_a_real_forward_backward():
+    torch.manual_seed(0)
+    model = build_model(get_config("tiny"))
+    model.init_weights()
+    idx = torch.randint(0, model.config.vocab_size, (2, 64))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(idx, idx).backward()
+    model.zero_grad(set_to_none=True)
+
+    step = cost(model, batch_size=2, seq_len=64)
+    assert matmul_flops(step) == counter.get_total_flops()
+    assert all(p.grad is None and p.device.type == "cpu" for p in model.parameters())  # the model is untouched
+    assert step.params == step.params_active == sum(p.numel() for p in model.parameters())
+    assert step.unclassified == {}
+
+
+def test_hand_built_model_counts_params_flops_and_operand_bytes_exactly():
+    model = TiedMLPLM(vocab=64, d=16, hidden=48)
+    step = cost(model, batch_size=2, seq_len=8, dtype=B16)
+    tokens, n = 16, 16 * 48 + 48 * 16 + 64 * 16
+
+    assert step.params == 64 * 16 + 2 * 16 * 48 and step.params_matmul == n
+    assert step.flops[("primal", "matmul")] == {B16: 2 * n * tokens}
+    assert step.flops[("adjoint", "matmul")] == {B16: 4 * n * tokens}  # dX and dW of every weight
+    assert step.attention_flops == 0 and step.flops_per_token == 6 * n
+    # Each mm reads its operands and writes its result, in bf16: (tokens x in) @ (in x out) -> (tokens x out).
+    mm_bytes = sum(2 * (tokens * i + i * o + tokens * o) for i, o in ((16, 48), (48, 16), (16, 64)))
+    assert step.bytes[("primal", "matmul")] == {B16: mm_bytes}
+    assert step.flops[("primal", "elementwise")][B16] == tokens * (48 + 16)  # relu, residual add
+    assert step.bytes[("primal", "selection")][torch.int64] == tokens * 8  # the token ids the embedding reads
+    assert step.intensity(("primal", "matmul"), B16) == pytest.approx(2 * n * tokens / mm_bytes)
+    assert "primal matmul" in str(step) and "total" in str(step)
+
+
+def test_attention_term_comes_from_activation_matmuls_not_from_names():
+    model = HandAttentionLM(vocab=64, d=16)
+    step = cost(model, batch_size=2, seq_len=8)
+    scores_and_mix = 2 * (2 * 8 * 8 * 16)  # q @ k^T and p @ v, per row
+    assert step.attention_flops == 2 * scores_and_mix
+    assert step.params_matmul == 16 * 48 + 64 * 16
+    assert step.flops_per_token == 6 * step.params_matmul + 3 * 2 * scores_and_mix / 16
+
+
+@torch.library.custom_op("ppt_test::mystery_mix", mutates_args=())
+def mystery_mix(x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    return x * window.sum()
+
+
+@mystery_mix.register_fake
+def _(x, window):
+    return torch.empty_like(x)
+
+
+def _mystery_backward(ctx, grad):
+    return grad * ctx.window_sum, None
+
+
+def _mystery_setup(ctx, inputs, output):
+    ctx.window_sum = inputs[1].sum()
+
+
+mystery_mix.register_autograd(_mystery_backward, setup_context=_mystery_setup)
+
+
+class CustomOpLM(nn.Module):
+    """Calls a custom op with a learned per-head window, as a screening layer would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.log_window = nn.Parameter(torch.tensor([math.log(2.0), math.log(3.0)]))
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        x = x + mystery_mix(x.detach(), self.log_window.exp() + 1)  # windows 3 and 4
+        return F.cross_entropy(F.linear(x, self.embed.weight).flatten(0, 1), targets.flatten())
+
+
+def test_custom_op_without_a_cost_formula_fails_loudly():
+    with pytest.raises(PPTError, match="ppt_test::mystery_mix has no cost formula"):
+        cost(CustomOpLM(), batch_size=1, seq_len=8)
+
+
+def test_custom_op_counts_through_its_registered_formula_with_learned_values(monkeypatch):
+    def formula(x, window):
+        pairs = x.shape[0] * x.shape[1] * (window.sum().item() if window.device.type != "meta" else x.shape[1])
+        return {"flops": 100 * pairs, "bytes": 7}
+
+    kernels = types.ModuleType("ppt.kernels._test_mystery")
+    kernels.COST_FORMULAS = {torch.ops.ppt_test.mystery_mix: formula}
+    monkeypatch.setitem(sys.modules, kernels.__name__, kernels)
+
+    real = cost(CustomOpLM(), batch_size=1, seq_len=8, dtype=torch.float32)
+    head = 2 * 8 * 16 * 64
+    assert real.flops[("primal", "matmul")][torch.float32] == head + 100 * 8 * 7  # windows 3 + 4, read for real
+    assert real.attention_flops == 100 * 8 * 7
+    assert real.flops_per_token == 6 * 16 * 64 + 3 * 100 * 7
+    with torch.device("meta"):
+        unknown_windows = CustomOpLM()
+    assert cost(unknown_windows, 1, 8).attention_flops == 100 * 8 * 8  # no values: the formula's upper bound
+
+
+def test_ops_without_a_class_are_counted_and_listed(capsys):
+    class SpectralLM(TiedMLPLM):
+        def forward(self, idx, targets=None):
+            x = self.embed(idx)
+            x = x + torch.fft.fft(x).real
+            return F.cross_entropy(F.linear(x, self.embed.weight).flatten(0, 1), targets.flatten())
+
+    step = cost(SpectralLM(), batch_size=1, seq_len=8)
+    assert "aten._fft_r2c" in step.unclassified
+    assert "aten._fft_r2c" in capsys.readouterr().err
+    assert "WARNING" in str(step) and "_fft_r2c" in str(step)
+
+
+def hand_made_cost() -> Cost:
+    """Seed 000's transformer intensities (matmul 272, elementwise 0.3551 FLOPs/byte) and a compute-bound cell."""
+    flops = {("primal", "matmul"): {B16: 272e9}, ("primal", "elementwise"): {B16: 0.3551e9}}
+    nbytes = {("primal", "matmul"): {B16: 1e9}, ("primal", "elementwise"): {B16: 1e9, torch.int64: 5e6}}
+    flops[("adjoint", "matmul")], nbytes[("adjoint", "matmul")] = {B16: 400e9}, {B16: 1e9}
+    return Cost(1, 1, 1, 1, 1, flops, nbytes, attention_flops=0.0)
+
+
+def test_utilization_without_duration_is_intensity_over_the_knee():
+    result = utilization(hand_made_cost(), "h100")
+    knee_matmul, knee_vector = 989e12 / 3.35e12, 67e12 / 3.35e12
+    assert result.ratios[("primal", "matmul")][B16] == pytest.approx(0.9214, abs=1e-4)  # seed 000's number
+    assert result.ratios[("primal", "elementwise")][B16] == pytest.approx(0.3551 / knee_vector)
+    assert result.ratios[("adjoint", "matmul")][B16] == pytest.approx(400 / knee_matmul)
+    assert result.total[B16] == pytest.approx((272 + 400) / knee_matmul + 0.3551 / knee_vector)  # a sum of cells
+    assert torch.int64 not in result.total and "total" in str(result)
+
+
+def test_utilization_with_duration_is_achieved_over_the_attainable_peak():
+    result = utilization(hand_made_cost(), DEVICES["h100"], duration_sec=0.5)
+    assert result.ratios[("adjoint", "matmul")][B16] == pytest.approx(400e9 / 0.5 / 989e12)  # compute-bound: MFU
+    assert result.ratios[("primal", "matmul")][B16] == pytest.approx(272e9 / 0.5 / (272 * 3.35e12))  # below knee
+    attainable = min(67e12, 0.3551 * 3.35e12)  # memory-bound: the bandwidth roof
+    assert result.ratios[("primal", "elementwise")][B16] == pytest.approx(0.3551e9 / 0.5 / attainable)
+    with pytest.raises(PPTError, match="no peak rates"):
+        utilization(hand_made_cost(), "cpu")
+
+
+def test_peak_flops_maps_device_names_and_knows_what_it_does_not_know():
+    assert peak_flops("NVIDIA H100 80GB HBM3", B16) == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", B16) == 756e12
+    assert peak_flops("NVIDIA H200", B16) == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 156e12  # TF32
+    assert peak_flops("NVIDIA GeForce RTX 4090") == 165.2e12
+    assert peak_flops("AMD Instinct MI300X") == 1307.4e12
+    assert peak_flops(torch.device("cpu")) is None and peak_flops("Tesla T4") is None
+    assert find_device("h100").knee("matmul", B16) == pytest.approx(295.2, abs=0.05)  # seed 000's knee
+    assert {"h100", "h200", "a100", "b200", "rtx4090", "rtx5090", "mi300x"} <= set(DEVICES)
+
+
+def test_cli_prints_tables_and_rejects_bad_input(capsys):
+    main(["--config", "tiny", "--batch-size", "2", "--seq-len", "32", "--device", "h200"])
+    out = capsys.readouterr().out
+    for expected in ("adjoint matmul", "FLOPs/token, MFU convention", "roofline knee", "blocks.mlp", "MFU <="):
+        assert expected in out
+    main(["--config", "tiny", "--batch-size", "1", "--seq-len", "16", "--device", "cpu"])
+    assert "peak rates unknown" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", "no-such-config"])
+    assert exit_info.value.code == 2

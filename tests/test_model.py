@@ -1,0 +1,276 @@
+"""Behaviour of the architectures in ppt/model.py: parity with Hugging Face Llama, causality, document isolation."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from ppt.common import PPTError
+from ppt.model import CONFIGS, LlamaConfig, build_model, document_causal_mask, get_config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ARCHS = ["tiny", "multiscreen-tiny"]
+
+
+def fresh(name: str, seed: int = 0) -> torch.nn.Module:
+    model = build_model(get_config(name))
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def widely_connected(name: str) -> torch.nn.Module:
+    """A fresh model whose every token visibly depends on its past. Screening at init (r = 1/2) trims nearly every
+    key of a random 16-dim query; r near 1 accepts about half, so masks, not the trim, decide what is seen."""
+    model = fresh(name)
+    with torch.no_grad():
+        for block in model.blocks:
+            if hasattr(block, "s_r"):
+                block.s_r.fill_(4.0)
+    return model
+
+
+def first_block_input_grads(model, idx, t, doc_pos=None):
+    """d logits[:, t] / d (input of the first block): (B, T, d). The first block's input is the embedded sequence."""
+    captured = {}
+
+    def make_leaf(module, args):
+        x = args[0].detach().requires_grad_(True)
+        captured["x"] = x
+        return (x, *args[1:])
+
+    handle = model.blocks[0].register_forward_pre_hook(make_leaf)
+    try:
+        logits = model(idx, doc_pos=doc_pos)
+        logits[:, t].sum().backward()
+    finally:
+        handle.remove()
+    return captured["x"].grad
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Both architectures
+
+
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("training", [True, False])
+def test_no_gradient_from_the_future(name, training):
+    model = widely_connected(name).train(training)
+    T = 24
+    idx = torch.randint(0, model.config.vocab_size, (2, T))
+    for t in (0, 9, T - 2):
+        grad = first_block_input_grads(model, idx, t)
+        assert torch.all(grad[:, t + 1 :] == 0), f"position {t} depends on later tokens"
+        assert grad[:, t].abs().sum() > 0
+        if t > 0:
+            assert grad[:, :t].abs().sum() > 0, f"position {t} ignores its past"
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_no_gradient_across_documents(name):
+    model = widely_connected(name)
+    T = 20
+    idx = torch.randint(0, model.config.vocab_size, (1, T))
+    # documents [0, 7), [7, 15), [15, 20)
+    doc_pos = torch.cat([torch.arange(7), torch.arange(8), torch.arange(5)]).int().unsqueeze(0)
+    for t, start in ((5, 0), (12, 7), (19, 15)):
+        grad = first_block_input_grads(model, idx, t, doc_pos=doc_pos)
+        assert torch.all(grad[:, :start] == 0), f"position {t} sees an earlier document"
+        assert torch.all(grad[:, t + 1 :] == 0)
+        assert grad[:, start:t].abs().sum() > 0, f"position {t} ignores its own document"
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_one_document_doc_pos_matches_plain_causal(name):
+    model = fresh(name)
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    doc_pos = torch.arange(16, dtype=torch.int32).expand(2, 16)
+    torch.testing.assert_close(model(idx, doc_pos=doc_pos), model(idx), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_too_long_input_is_an_error(name):
+    model = fresh(name)
+    idx = torch.zeros(1, model.config.max_seq_len + 1, dtype=torch.long)
+    with pytest.raises(PPTError, match="max_seq_len"):
+        model(idx)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_meta_build_then_init_matches_cpu_build(name):
+    with torch.device("meta"):
+        meta_model = build_model(get_config(name))
+    assert all(p.is_meta for p in meta_model.parameters())
+    meta_model.to_empty(device="cpu")
+    torch.manual_seed(3)
+    meta_model.init_weights()
+    reference = fresh(name, seed=3)
+    idx = torch.randint(0, reference.config.vocab_size, (1, 12))
+    torch.testing.assert_close(meta_model(idx), reference(idx), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Vanilla Llama
+
+
+def test_initial_loss_is_near_uniform():
+    model = fresh("tiny")
+    idx = torch.randint(0, 4096, (4, 64))
+    targets = torch.randint(0, 4096, (4, 64))
+    assert abs(model(idx, targets).item() - math.log(4096)) < 0.1
+
+
+def test_document_mask_semantics():
+    doc_pos = torch.tensor([[0, 1, 2, 0, 1]], dtype=torch.int32)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 0],
+            [0, 0, 0, 1, 0],
+            [0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(document_causal_mask(doc_pos)[0, 0], expected)
+
+
+def test_logits_match_hugging_face_llama():
+    transformers = pytest.importorskip("transformers")
+    config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=192, vocab_size=256, max_seq_len=64)
+    torch.manual_seed(0)
+    model = build_model(config)
+    model.init_weights()
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.d_ff,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.n_kv_head,
+        max_position_embeddings=config.max_seq_len,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_eps,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    hf = transformers.LlamaForCausalLM(hf_config).float().eval()
+    ours = model.state_dict()
+    renamed = {"model.embed_tokens.weight": ours["embed.weight"], "model.norm.weight": ours["norm.weight"]}
+    for i in range(config.n_layer):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            renamed[f"model.layers.{i}.self_attn.{proj}.weight"] = ours[f"blocks.{i}.attn.{proj}.weight"]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            renamed[f"model.layers.{i}.mlp.{proj}.weight"] = ours[f"blocks.{i}.mlp.{proj}.weight"]
+        renamed[f"model.layers.{i}.input_layernorm.weight"] = ours[f"blocks.{i}.attn_norm.weight"]
+        renamed[f"model.layers.{i}.post_attention_layernorm.weight"] = ours[f"blocks.{i}.mlp_norm.weight"]
+    missing, unexpected = hf.load_state_dict(renamed, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr(), "HF head is not tied"
+    idx = torch.randint(0, config.vocab_size, (2, 48))
+    with torch.no_grad():
+        diff = (model(idx) - hf(idx).logits).abs().max().item()
+    assert diff <= 1e-4
+
+
+def test_smollm_sizes():
+    with torch.device("meta"):
+        model = build_model(get_config("smollm-360m"))
+    non_embedding = sum(p.numel() for n, p in model.named_parameters() if n != "embed.weight")
+    assert abs(non_embedding - 314.6e6) < 0.1e6
+    with torch.device("meta"):
+        model = build_model(get_config("smollm-135m"))
+    assert abs(sum(p.numel() for p in model.parameters()) - 134.5e6) < 0.1e6
+
+
+def test_depth_dial():
+    config = get_config(depth=12)
+    assert (config.d_model, config.n_layer, config.n_head, config.head_dim) == (768, 12, 12, 64)
+    assert config.d_ff % 64 == 0 and abs(config.d_ff - 8 * 768 / 3) < 64
+    with pytest.raises(PPTError):
+        get_config("tiny", depth=4)
+    with pytest.raises(PPTError):
+        get_config(depth=0)
+
+
+def test_unknown_config_name_lists_the_valid_ones():
+    with pytest.raises(PPTError) as error:
+        get_config("smollm-7b")
+    assert all(name in str(error.value) for name in CONFIGS)
+
+
+def test_get_config_returns_a_copy():
+    get_config("tiny").n_layer = 99
+    assert CONFIGS["tiny"].n_layer == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Multiscreen
+
+
+def dense_screening_block(block, x, doc_pos):
+    """One Multiscreen layer written straight from the paper's equations, dense over all (query, key) pairs."""
+    cfg = block.config
+    T = x.shape[1]
+    w = block.window()
+    r = torch.sigmoid(block.s_r)
+    q, k, v, g = (torch.einsum("btd,hkd->bthk", x, W) for W in (block.w_q, block.w_k, block.w_v, block.w_g))
+    q, k, v = (z / z.norm(dim=-1, keepdim=True) for z in (q, k, v))
+    gamma = torch.where(w < cfg.window_threshold, 0.5 * (torch.cos(math.pi * w / cfg.window_threshold) + 1), 0.0)
+    phi = math.pi * doc_pos.unsqueeze(-1) * gamma / w  # (B, T, H)
+    rotation = torch.polar(torch.ones_like(phi), phi)
+    q, k = (
+        torch.cat((torch.view_as_real(torch.complex(z[..., 0], z[..., 1]) * rotation), z[..., 2:]), -1) for z in (q, k)
+    )
+    s = torch.einsum("bihk,bjhk->bhij", q, k)
+    alpha = torch.clamp(1 - (1 - s) / r.view(1, -1, 1, 1), min=0) ** 2
+    i = torch.arange(T).view(T, 1)
+    lag = (i - torch.arange(T).view(1, T)).view(1, 1, T, T).float()
+    doc_start = (torch.arange(T) - doc_pos).view(-1, 1, T, 1)
+    visible = (lag >= 0) & (lag < w.view(1, -1, 1, 1)) & (torch.arange(T).view(1, 1, 1, T) >= doc_start)
+    softmask = torch.where(visible, 0.5 * (torch.cos(math.pi * lag / w.view(1, -1, 1, 1)) + 1), 0.0)
+    h = torch.einsum("bhij,bjhv->bihv", alpha * softmask, v)
+    norm = h.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # a head that retrieved nothing gives u = 0
+    u = h * torch.tanh(norm) / norm
+    gated = u * torch.tanh(torch.nn.functional.silu(g)) * block.s_o.exp().view(1, 1, -1, 1)
+    return torch.einsum("bthv,hdv->btd", gated, block.w_o)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_multiscreen_layer_matches_the_paper_equations(training):
+    from ppt.kernels.screening import screening_metadata
+
+    model = fresh("multiscreen-tiny").train(training)
+    block = model.blocks[1]
+    with torch.no_grad():  # spread acceptance widths across trimming and accepting regimes
+        block.s_r.copy_(torch.linspace(-2, 3, block.s_r.numel()))
+    doc_pos = torch.cat([torch.arange(9), torch.arange(21)]).int().unsqueeze(0).repeat(2, 1)
+    x = torch.randn(2, 30, model.config.d_model)
+    with torch.no_grad():
+        ours = block(x, doc_pos, screening_metadata(doc_pos))
+        reference = dense_screening_block(block, x, doc_pos)
+    assert reference.abs().max() > 1e-3  # the comparison is not between two zeros
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_long_windows_become_full_prefix_at_eval():
+    model = fresh("multiscreen-tiny")
+    block = model.blocks[0]
+    trained_windows = block.window()
+    assert torch.isfinite(trained_windows).all() and trained_windows.max() > model.config.max_seq_len
+    eval_windows = block.eval().window()
+    long = trained_windows > model.config.max_seq_len
+    assert torch.isinf(eval_windows[long]).all()
+    assert torch.equal(eval_windows[~long], trained_windows[~long])
+
+
+def test_multiscreen_sizes():
+    config = get_config("multiscreen-d24")
+    assert (config.n_layer, config.n_head, config.d_model, config.d_key, config.d_value) == (24, 24, 576, 16, 64)
+    with torch.device("meta"):
+        model = build_model(config)
+    per_layer = 24 * (2 * 16 * 576 + 3 * 64 * 576) + 3 * 24
+    assert sum(p.numel() for p in model.parameters()) == 49152 * 576 + 24 * per_layer + 2

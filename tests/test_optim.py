@@ -1,0 +1,218 @@
+"""ppt/optim.py: orthogonalization numerics, group coverage, training progress, checkpoint round trips, schedules."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ppt.common import PPTError
+from ppt.model import build_model, get_config
+from ppt.optim import (
+    DEFAULT_LR,
+    MUON_COEFFICIENTS,
+    POLAR_COEFFICIENTS,
+    aurora_direction,
+    build_optimizer,
+    lr_multiplier,
+    newton_schulz,
+    set_lr,
+)
+
+
+def fresh(name: str) -> nn.Module:
+    model = build_model(get_config(name))
+    torch.manual_seed(0)
+    model.init_weights()
+    return model
+
+
+def fixed_batch(vocab: int, B: int = 4, T: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (B, T + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Orthogonalization
+
+
+def test_polar_iteration_matches_svd_polar_factor():
+    G = torch.randn(3, 40, 12, generator=torch.Generator().manual_seed(0))
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    torch.testing.assert_close(newton_schulz(G, 12, POLAR_COEFFICIENTS), U @ Vh, atol=1e-4, rtol=0)
+    torch.testing.assert_close(newton_schulz(G.mT, 12, POLAR_COEFFICIENTS), (U @ Vh).mT, atol=1e-4, rtol=0)
+
+
+def test_muon_iteration_brings_singular_values_near_one():
+    G = torch.randn(64, 24, generator=torch.Generator().manual_seed(0)) * 50
+    singular_values = torch.linalg.svdvals(newton_schulz(G, 5, MUON_COEFFICIENTS))
+    assert singular_values.min() > 0.6 and singular_values.max() < 1.25
+
+
+def test_aurora_balances_rows_of_tall_matrices():
+    G = torch.randn(4, 64, 16, generator=torch.Generator().manual_seed(0))
+    G[:, :8] *= 10  # a few dominant rows: plain orthogonalization hands them most of the update
+    plain = newton_schulz(G, 12, POLAR_COEFFICIENTS).square().sum(-1)
+    balanced_direction = aurora_direction(G)
+    balanced = balanced_direction.square().sum(-1)
+    assert balanced.std() < 0.3 * plain.std()
+    assert abs(balanced.mean().item() - 16 / 64) < 0.01  # still orthonormal columns: mean squared row norm n / m
+    torch.testing.assert_close(aurora_direction(G.mT), balanced_direction.mT)  # wide = transposed tall
+
+
+def test_aurora_on_square_matrices_is_the_polar_factor():
+    G = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
+    U, _, Vh = torch.linalg.svd(G)
+    torch.testing.assert_close(aurora_direction(G), U @ Vh, atol=2e-3, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Groups
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "aurora"])
+def test_every_parameter_in_exactly_one_group(name):
+    model = fresh("tiny")
+    optimizer = build_optimizer(model, name)
+    in_groups = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    assert sorted(in_groups) == sorted(id(p) for p in model.parameters())
+    roles = {group["role"]: group for group in optimizer.param_groups}
+    assert set(roles) == {"matrix", "embedding", "scalar"}
+    assert roles["matrix"]["algorithm"] == ("adamw" if name == "adamw" else name)
+    assert roles["matrix"]["lr"] == roles["matrix"]["initial_lr"] == DEFAULT_LR[name]
+    assert roles["embedding"]["algorithm"] == roles["scalar"]["algorithm"] == "adamw"
+    assert roles["scalar"]["weight_decay"] == 0.0
+
+
+class MislabelledModel(nn.Module):
+    def __init__(self, roles: dict[str, str]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 4))
+        self.gain = nn.Parameter(torch.ones(4))
+        self.roles = roles
+
+    def param_roles(self) -> dict[str, str]:
+        return self.roles
+
+
+@pytest.mark.parametrize(
+    "roles, message",
+    [
+        ({"weight": "matrix"}, "missing"),
+        ({"weight": "matrix", "gain": "scalar", "ghost": "scalar"}, "not trainable"),
+        ({"weight": "matrix", "gain": "bias"}, "invalid roles"),
+        ({"weight": "matrix", "gain": "matrix"}, "call it 'scalar'"),
+    ],
+)
+def test_bad_param_roles_are_rejected(roles, message):
+    with pytest.raises(PPTError, match=message):
+        build_optimizer(MislabelledModel(roles), "muon")
+
+
+def test_frozen_parameters_are_left_out():
+    model = fresh("tiny")
+    model.norm.weight.requires_grad_(False)
+    roles = model.param_roles()
+    model.param_roles = lambda: {n: r for n, r in roles.items() if n != "norm.weight"}
+    optimizer = build_optimizer(model, "muon")
+    assert all(p is not model.norm.weight for g in optimizer.param_groups for p in g["params"])
+
+
+def test_unknown_optimizer_name():
+    with pytest.raises(PPTError, match="adamw, muon, aurora"):
+        build_optimizer(fresh("tiny"), "sgd")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training progress and state
+
+
+@pytest.mark.parametrize(
+    "arch, name, lr, adamw_lr",
+    [
+        ("tiny", "adamw", 3e-3, None),
+        ("tiny", "muon", 0.02, 3e-3),
+        ("multiscreen-tiny", "adamw", 1e-2, None),
+        ("multiscreen-tiny", "aurora", 0.05, 1e-2),
+    ],
+)
+def test_a_few_steps_reduce_loss_on_a_fixed_batch(arch, name, lr, adamw_lr):
+    model = fresh(arch)
+    kwargs = {} if adamw_lr is None else {"adamw_lr": adamw_lr}
+    optimizer = build_optimizer(model, name, lr=lr, weight_decay=0.1, **kwargs)
+    idx, targets = fixed_batch(model.config.vocab_size)
+    losses = []
+    for _ in range(8):
+        loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "aurora"])
+def test_state_dict_round_trip_resumes_identically(name):
+    idx, targets = fixed_batch(4096, B=2, T=16)
+
+    def step(model, optimizer):
+        model(idx, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model = fresh("tiny")
+    optimizer = build_optimizer(model, name)
+    step(model, optimizer)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())  # the live state is updated in place
+    step(model, optimizer)
+
+    resumed = fresh("tiny")
+    resumed.load_state_dict(saved_model)
+    resumed_optimizer = build_optimizer(resumed, name)
+    resumed_optimizer.load_state_dict(saved_optimizer)
+    step(resumed, resumed_optimizer)
+    for (key, expected), actual in zip(model.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(actual, expected, msg=key)
+
+
+def test_set_lr_scales_each_group_from_its_own_base():
+    optimizer = build_optimizer(fresh("tiny"), "muon", lr=0.02, adamw_lr=1e-3, scalar_lr=4e-3)
+    set_lr(optimizer, 0.5)
+    rates = {group["role"]: group["lr"] for group in optimizer.param_groups}
+    assert rates == pytest.approx({"matrix": 0.01, "embedding": 5e-4, "scalar": 2e-3})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Schedules
+
+
+def test_warmup_is_linear_and_reaches_one():
+    assert [lr_multiplier(s, 100, 4) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+
+
+def test_cosine_decays_from_one_to_the_floor():
+    values = [lr_multiplier(s, 100, 10, "cosine", min_lr_frac=0.1) for s in range(10, 101)]
+    assert values[0] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1)
+    assert values[45] == pytest.approx(0.55)  # halfway through the decay
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_wsd_holds_then_cools_down_linearly():
+    values = [lr_multiplier(s, 100, 10, "wsd", cooldown_frac=0.2) for s in range(101)]
+    assert values[10:80] == pytest.approx([1.0] * 70)
+    assert values[90] == pytest.approx(0.5)
+    assert values[100] == pytest.approx(0.0)
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+
+
+def test_constant_and_bad_schedules():
+    assert lr_multiplier(50, 100) == 1.0
+    with pytest.raises(PPTError, match="cosine"):
+        lr_multiplier(0, 100, schedule="linear")
+    with pytest.raises(PPTError, match="total_steps"):
+        lr_multiplier(0, 0)
+    assert math.isfinite(lr_multiplier(200, 100, 0, "cosine"))

@@ -1,0 +1,176 @@
+import json
+import random
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from ppt.data import DataLoader, load_data_tokenizer, read_meta, read_shard
+from ppt.tokenizer import train_demo_tokenizer
+from scripts import prepare_fineweb
+from scripts.prepare_fineweb import main
+
+WORDS = "the model reads tokens and writes shards café naïve €5 日本 🙂 data loader epoch".split()
+SIZES = ["--shard-tokens", "1500", "--val-tokens", "1000"]
+
+
+def make_docs(n: int = 120) -> list[str]:
+    rng = random.Random(0)
+    docs = [" ".join(rng.choices(WORDS, k=rng.randint(3, 60))) for _ in range(n)]
+    docs[7] = ""  # empty documents are consumed but skipped
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    return train_demo_tokenizer(make_docs(), vocab_size=300).save(tmp_path_factory.mktemp("tok"))
+
+
+def write_jsonl(path, docs):
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)) + "\n")
+    return path
+
+
+def prepared_docs(data_dir) -> list[str]:
+    """Every document of the val shard then the train shards, decoded; checks each stream starts with EOT."""
+    tok = load_data_tokenizer(data_dir)
+    meta = read_meta(data_dir)
+    docs = []
+    for split in ("val", "train"):
+        for index in range(meta[split]["shards"]):
+            info, tokens = read_shard(data_dir / f"{split}_{index:05d}.bin", expected_fingerprint=tok.fingerprint)
+            assert tokens[0] == tokens[-1] == tok.eot_id
+            eots = np.flatnonzero(np.asarray(tokens) == tok.eot_id)
+            docs += [tok.decode(tokens[a + 1 : b].tolist()) for a, b in zip(eots[:-1], eots[1:])]
+    return docs
+
+
+def shard_bytes(data_dir) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(data_dir.iterdir()) if p.suffix in (".bin", ".json")}
+
+
+def test_jsonl_prepare_keeps_every_document_once_in_order(tmp_path, tokenizer_path):
+    docs = make_docs()
+    out = tmp_path / "out"
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", docs)), "--out", str(out), "--workers", "1"]
+    assert main([*argv, *SIZES, "--tokenizer", str(tokenizer_path)]) == 0
+    nonempty = [d for d in docs if d]
+    assert prepared_docs(out) == nonempty  # val first, then train: nothing lost, duplicated or reordered
+    meta = read_meta(out)
+    assert meta["val"]["shards"] == 1 and meta["train"]["shards"] >= 3
+    assert meta["val"]["docs"] + meta["train"]["docs"] == len(nonempty)
+    assert meta["progress"] == {"docs_consumed": len(docs), "exhausted": True}
+    assert meta["tokenizer"]["is_demo"] is False and meta["tokenizer"]["name"] == str(tokenizer_path)
+
+    tok = load_data_tokenizer(out)
+    inputs, targets, doc_pos = next(DataLoader(out, "train", 4, 32, expected_fingerprint=tok.fingerprint))
+    assert inputs.shape == (4, 32) and torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_parquet_on_two_workers_matches_jsonl_on_one(tmp_path, tokenizer_path, monkeypatch):
+    monkeypatch.setattr(prepare_fineweb, "DOCS_PER_TASK", 16)  # many tasks, so order across workers matters
+    docs = make_docs()
+    common = [*SIZES, "--tokenizer", str(tokenizer_path)]
+    jsonl, parquet = tmp_path / "jsonl", tmp_path / "parquet"
+    assert main(["--source", str(write_jsonl(tmp_path / "c.jsonl", docs)), "--out", str(jsonl), *common]) == 0
+    pq.write_table(pa.table({"text": [*docs[:50], None, *docs[50:]]}), tmp_path / "c.parquet", row_group_size=32)
+    argv = ["--source", str(tmp_path / "c.parquet"), "--out", str(parquet), "--workers", "2", *common]
+    assert main(argv) == 0
+    a, b = shard_bytes(jsonl), shard_bytes(parquet)
+    assert [n for n in a if n.endswith(".bin")] == [n for n in b if n.endswith(".bin")]
+    assert all(a[n] == b[n] for n in a if n.endswith(".bin"))
+
+
+def test_demo_end_to_end_and_rerun_is_a_no_op(demo_data_dir, capsys):
+    meta = read_meta(demo_data_dir)
+    tok = load_data_tokenizer(demo_data_dir)
+    assert tok.is_demo and tok.name == "demo-bpe-512" and meta["tokenizer"]["fingerprint"] == tok.fingerprint
+    assert meta["source"] == "demo" and meta["progress"]["exhausted"] and meta["train"]["shards"] >= 5
+    info, _ = read_shard(demo_data_dir / "train_00000.bin", expected_fingerprint=tok.fingerprint)
+    assert info.is_demo and info.tokenizer_name == "demo-bpe-512" and info.dtype.itemsize == 2
+    loader = DataLoader(demo_data_dir, "val", 2, 64, expected_fingerprint=tok.fingerprint)
+    assert sum(batch[0].numel() for batch in loader.val_batches(10 * 64)) == 10 * 64
+
+    before = shard_bytes(demo_data_dir)
+    argv = ["--source", "demo", "--out", str(demo_data_dir), "--vocab-size", "512", "--workers", "1"]
+    assert main([*argv, "--shard-tokens", "8000", "--val-tokens", "4000"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert shard_bytes(demo_data_dir) == before
+
+
+def test_interrupted_prepare_resumes_to_the_same_shards(tmp_path, tokenizer_path, capsys):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
+    common = ["--source", str(corpus), *SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert main([*common, "--out", str(whole)]) == 0
+    # stop after two train shards, then leave what a kill mid-write leaves: a temp file and a shard written after
+    # the last progress update (here stale, from another shard)
+    assert main([*common, "--out", str(resumed), "--shards", "2"]) == 0
+    assert read_meta(resumed)["train"]["shards"] == 2
+    (resumed / "train_00002.bin").write_bytes((resumed / "train_00000.bin").read_bytes())
+    (resumed / ".train_00003.bin.1234.tmp").write_bytes(b"partial")
+    assert main([*common, "--out", str(resumed)]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert shard_bytes(resumed) == shard_bytes(whole)
+    assert not list(resumed.glob(".*.tmp"))
+
+
+def test_resume_refuses_different_settings(tmp_path, tokenizer_path, capsys):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
+    common = ["--source", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)]
+    assert main([*common, *SIZES, "--shards", "1", "--workers", "1"]) == 0
+    assert main([*common, "--shard-tokens", "1500", "--val-tokens", "999"]) == 2
+    assert "was prepared with settings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "docs, sizes, message",
+    [
+        (["", "  \n"], SIZES, "no documents"),
+        (["one short document"], SIZES, "too small.*lower --val-tokens"),
+        (make_docs(), ["--val-tokens", "10000000"], "too small"),
+    ],
+)
+def test_unusable_corpus_fails_and_leaves_nothing(tmp_path, tokenizer_path, capsys, docs, sizes, message):
+    out = tmp_path / "out"
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", docs)), "--out", str(out), *sizes, "--workers", "1"]
+    assert main([*argv, "--tokenizer", str(tokenizer_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and re.search(message, err)
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_non_utf8_text_names_file_and_offset(tmp_path, tokenizer_path, capsys):
+    good, bad = tmp_path / "a.txt", tmp_path / "b.txt"
+    good.write_text("fine text " * 50)
+    bad.write_bytes("caf\u00e9 ok, then ".encode() + b"\xff\xfe latin-1 bytes")
+    argv = ["--source", str(tmp_path / "*.txt"), "--out", str(tmp_path / "out"), *SIZES]
+    assert main([*argv, "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "byte offset 15" in err and "re-encode it to UTF-8" in err
+
+
+def test_bad_sources_are_named(tmp_path, tokenizer_path, capsys):
+    (tmp_path / "c.csv").write_text("text\nhello\n")
+    (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    cases = [
+        (["--source", str(tmp_path / "nothing*.jsonl")], "matches no file"),
+        (["--source", str(tmp_path / "c.csv")], "unsupported file type"),
+        (["--source", str(tmp_path / "c.jsonl")], "c.jsonl:2 has no string `text` field"),
+        (["--source", "demo", str(tmp_path / "c.jsonl")], "not a mix"),
+    ]
+    for argv, message in cases:
+        assert main([*argv, "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_fineweb_unreachable_says_how_to_work_offline(tmp_path, tokenizer_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty HF cache: nothing to read offline
+    out = tmp_path / "out"
+    assert main(["--out", str(out), "--tokenizer", str(tokenizer_path)]) == 2
+    err = capsys.readouterr().err
+    assert "smollm-corpus" in err and "--source demo" in err and "HF_HUB_OFFLINE" in err
+    assert not out.exists() or not any(out.iterdir())
