@@ -4,7 +4,8 @@
 no memory, no arithmetic), sees every aten op with its shapes, and sorts the work into a table: FLOPs and bytes per
 op class (matmul, elementwise, reduction, selection) for the primal (forward) and adjoint (backward) pass, with the
 arithmetic intensity of each row. Bytes are the logical operand I/O of the unfused algorithm: every op reads its
-inputs and writes its outputs. They are not measured memory traffic; fusion and caches move fewer bytes.
+inputs and writes its outputs. They are not measured memory traffic; fusion and caches move fewer bytes. The step
+runs as training runs it: fp32 parameters, with matmuls under autocast to `dtype` (their casts are booked too).
 
 Nothing reads config field names, so an edited model.py is measured as written:
 - matmul FLOPs come from torch.utils.flop_counter's formulas, so they equal FlopCounterMode's exactly;
@@ -120,6 +121,19 @@ def _part(modules: set[str]) -> str:
     return ".".join(names[:2]) or "(top level)"
 
 
+def _is_matmul(func: torch._ops.OpOverload) -> bool:
+    return func.namespace == "aten" and (func.overloadpacket in flop_registry or func._opname in _MATMUL_EXTRA)
+
+
+def _tags(func: torch._ops.OpOverload) -> list[torch.Tag]:
+    """An op's tags; an in-place variant (mul_) carries its functional twin's (mul)."""
+    if func._opname.endswith("_") and func.namespace == "aten":
+        twin = getattr(getattr(torch.ops.aten, func._opname[:-1], None), func._overloadname, None)
+        if twin is not None:
+            return twin.tags
+    return func.tags
+
+
 def _tensors(tree: object) -> list[torch.Tensor]:
     return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
@@ -159,9 +173,13 @@ class _Trace(TorchDispatchMode):
     say, a learned per-head window and counts only in-window pairs.
     """
 
-    def __init__(self, params: list[torch.Tensor], shadows: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self, params: list[torch.Tensor], shadows: list[tuple[torch.Tensor, torch.Tensor]], autocast: torch.dtype | None
+    ) -> None:
         super().__init__()
         self.phase = "primal"
+        self.autocast = autocast  # None: no mixed precision, every op runs in its operands' dtype
+        self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # storage -> (its tensor, its cast copy)
         self.flops: dict[Row, Counter] = defaultdict(Counter)
         self.bytes: dict[Row, Counter] = defaultdict(Counter)
         self.weight_flops = 0.0  # forward FLOPs of matmuls with a batch-independent matrix operand
@@ -172,16 +190,46 @@ class _Trace(TorchDispatchMode):
         self.modules = ModuleTracker()
         self.formulas = registered_cost_formulas()
         self._params = {id(p): p for p in params}
+        self._param_storages = {p.untyped_storage()._cdata for p in params}
         self.params_used: set[int] = set()
         self._batch_dependent = WeakIdKeyDictionary()
-        self._shadow = WeakIdKeyDictionary({p: shadows[id(p)] for p in params if id(p) in shadows})
+        self._shadow = WeakIdKeyDictionary(dict(shadows))
 
     def mark_batch(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
             self._batch_dependent[t] = True
 
+    def cast(self, x: object) -> object:
+        """A matmul operand in the autocast dtype, as torch.autocast runs matmuls on the GPU.
+
+        As with autocast, a parameter is cast once per step and an activation once per use; the backward reuses the
+        forward's copies. A cast is booked as a selection: a read in the source dtype, a write in the autocast dtype.
+        """
+        if not isinstance(x, torch.Tensor) or self.autocast in (None, x.dtype) or not x.is_floating_point():
+            return x
+        key = x.untyped_storage()._cdata  # by storage, so every view of a tensor finds its copy
+        known = key in self._casts
+        if not known:
+            copy = torch.empty(x.untyped_storage().nbytes() // x.element_size(), dtype=self.autocast, device="meta")
+            self._casts[key] = (x, copy)  # holding x keeps the storage, and so the key, alive
+        cast_view = self._casts[key][1].as_strided(x.shape, x.stride(), x.storage_offset())
+        if not known or (self.phase == "primal" and key not in self._param_storages):
+            self.op_name = "_to_copy"
+            self.record("selection", 0, x.dtype, [x, cast_view])
+        if x in self._batch_dependent:
+            self.mark_batch(cast_view)
+        return cast_view
+
+    def cast_above_autograd(self, x: torch.Tensor) -> torch.Tensor:
+        """SDPA's casts: autocast makes them above autograd, so they (and their gradients) are traced ops."""
+        if self.autocast is None or not x.is_floating_point() or x.dtype == self.autocast:
+            return x
+        return x.to(self.autocast)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201 (torch's hook)
         kwargs = kwargs or {}
+        if _is_matmul(func):
+            args, kwargs = tree_map(self.cast, (args, kwargs))
         out = func(*args, **kwargs)
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
         self.params_used.update(id(t) for t in inputs if id(t) in self._params)
@@ -231,7 +279,7 @@ class _Trace(TorchDispatchMode):
             return
         reads = inputs[1:] if name in _OVERWRITE_SELF else inputs
         operands, dtype = reads + outputs, _compute_dtype(inputs, outputs)
-        if func.overloadpacket in flop_registry or name in _MATMUL_EXTRA:
+        if _is_matmul(func):
             formula = flop_registry.get(func.overloadpacket) or _MATMUL_EXTRA[name]
             flops = formula(*args, **kwargs, out_val=out)
             self._book_matmul(flops, inputs)
@@ -242,9 +290,9 @@ class _Trace(TorchDispatchMode):
             self.record("reduction", _REDUCTION_FLOPS_PER_ELEMENT[name] * inputs[0].numel(), dtype, operands)
         elif name in _PER_TARGET:
             self.record("reduction", inputs[1].numel(), dtype, operands)
-        elif torch.Tag.reduction in func.tags:
+        elif torch.Tag.reduction in _tags(func):
             self.record("reduction", inputs[0].numel(), dtype, operands)
-        elif torch.Tag.pointwise in func.tags or name in _ELEMENTWISE:
+        elif torch.Tag.pointwise in _tags(func) or name in _ELEMENTWISE:
             self.record("elementwise", outputs[0].numel() if outputs else 0, dtype, operands)
         elif name in _WRITES:
             self.record("elementwise", 0, dtype, operands)
@@ -285,8 +333,6 @@ class _Trace(TorchDispatchMode):
                 "the kernel: a module-level COST_FORMULAS = {op: fn} in its ppt.* module, where fn(*op_args) returns "
                 "{'flops': ..., 'bytes': ...}; or use torch.utils.flop_counter.register_flop_formula"
             )
-        if not flops:
-            raise PPTError(f"the cost formula of {func.name()} returned no FLOPs: {result!r}")
         self._book_matmul(flops.get("matmul", 0), inputs)
         main_class = max(flops, key=flops.get)  # operand bytes go with the class that does most of the work
         for op_class, n in flops.items():
@@ -358,6 +404,8 @@ class _RouteAttention(TorchFunctionMode):
 
 def _sdpa(trace: _Trace, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           attn_mask: torch.Tensor | None = None, *args: object, **kwargs: object) -> torch.Tensor:  # fmt: skip
+    """Autocast casts SDPA's inputs above autograd, so the casts and their gradients are part of the graph."""
+    query, key, value = (trace.cast_above_autograd(t) for t in (query, key, value))
     return _FusedAttention.apply(trace, query, key, value, attn_mask)
 
 
@@ -419,14 +467,15 @@ class Cost:
 
     def __str__(self) -> str:
         flop_dtypes, byte_dtypes = self.dtypes("flops"), self.dtypes("bytes")
-        header = [["flops"] * len(flop_dtypes) + ["bytes"] * len(byte_dtypes) + ["intensity"] * len(flop_dtypes)]
-        header.append([_dtype_name(d) for d in flop_dtypes + byte_dtypes + flop_dtypes])
+        float_dtypes = [d for d in flop_dtypes if d.is_floating_point]  # index arithmetic gets no intensity column
+        header = [["flops"] * len(flop_dtypes) + ["bytes"] * len(byte_dtypes) + ["intensity"] * len(float_dtypes)]
+        header.append([_dtype_name(d) for d in flop_dtypes + byte_dtypes + float_dtypes])
         body = []
         for row in [*self.rows(), None]:
             flops = self.flops.get(row, {}) if row else {d: self.total("flops", d) for d in flop_dtypes}
             nbytes = self.bytes.get(row, {}) if row else {d: self.total("bytes", d) for d in byte_dtypes}
             cells = [_si(flops.get(d, 0)) for d in flop_dtypes] + [_si(nbytes.get(d, 0)) for d in byte_dtypes]
-            cells += [_si(self.intensity(row, d) or 0) for d in flop_dtypes]
+            cells += [_si(self.intensity(row, d) or 0) for d in float_dtypes]
             body.append((" ".join(row) if row else "total", cells))
         lines = [
             f"Cost(params={self.params}, params_active={self.params_active}, params_matmul={self.params_matmul}, "
@@ -445,30 +494,33 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _meta_twin(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    twin = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+def _meta_twin(t: torch.Tensor) -> torch.Tensor:
+    twin = torch.empty(t.shape, dtype=t.dtype, device="meta")
     return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
 
 
 def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> Cost:
     """Trace one training step of `model` (loss = model(idx, targets); loss.backward()) on the meta device.
 
-    The model itself is not touched: its floating parameters and buffers are replaced, for the trace, by meta
-    tensors of `dtype`; ops the model upcasts (e.g. an fp32 loss) show up under their own dtype. Small learned
-    tensors (up to 4096 elements, e.g. per-head windows) keep their values when the model has any.
+    The model itself is not touched: for the trace its parameters and buffers are replaced by meta tensors of
+    the same shapes and dtypes. The step runs as training runs it, under autocast to a 16-bit `dtype` (fp32 and
+    fp64 mean no autocast): matmuls and SDPA
+    cast their operands to `dtype` (each tensor once, booked as a copy); other ops run in whatever dtype reaches
+    them (autocast's fp32 list is not emulated). Small learned tensors (up to 4096 elements, e.g. per-head
+    windows) keep their values when the model has any, for the cost formulas of custom ops.
     """
     if batch_size < 1 or seq_len < 1:
         raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
     model = _unwrap(model)
     originals = dict(model.named_parameters()) | dict(model.named_buffers())
-    twins = {name: _meta_twin(t, dtype) for name, t in originals.items()}
-    shadows = {
-        id(twins[name]): t.detach().to("cpu", twins[name].dtype)
+    twins = {name: _meta_twin(t) for name, t in originals.items()}
+    shadows = [
+        (twins[name], t.detach().cpu())
         for name, t in originals.items()
         if t.device.type != "meta" and t.numel() <= _SHADOW_MAX
-    }
+    ]
     params = [twins[name] for name, _ in model.named_parameters()]
-    trace = _Trace(params, shadows)
+    trace = _Trace(params, shadows, autocast=dtype if dtype.itemsize < 4 else None)
     idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     targets = torch.zeros_like(idx)
     trace.mark_batch(idx, targets)
@@ -507,14 +559,14 @@ def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = t
 def mfu_flops_per_token(model: nn.Module, seq_len: int) -> dict[str, float]:
     """Training FLOPs per token for MFU, traced once (call at start-up, not every step).
 
-    Returns {"flops_per_token": the convention figure (6N + attention), "flops_per_token_6n": 6N alone,
-    "attention_flops_per_token": the attention term, "params_matmul": N}.
+    Returns {"mfu": the convention figure (6N + attention), "6n": 6N alone, "attention": the attention term,
+    "params_matmul": N}.
     """
     step = cost(model, batch_size=1, seq_len=seq_len)
     return {
-        "flops_per_token": step.flops_per_token,
-        "flops_per_token_6n": step.flops_per_token_6n,
-        "attention_flops_per_token": step.attention_flops_per_token,
+        "mfu": step.flops_per_token,
+        "6n": step.flops_per_token_6n,
+        "attention": step.attention_flops_per_token,
         "params_matmul": step.params_matmul,
     }
 

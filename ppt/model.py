@@ -56,6 +56,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, H, T, D); cos/sin: (T, D). Non-interleaved halves, as Hugging Face Llama does."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # stay in the matmul dtype under autocast
     return x * cos + rotate_half(x) * sin
 
 
@@ -261,6 +262,7 @@ class MultiscreenBlock(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         cfg = self.config
+        # q, k and v are normalized after projection, so these scales only set how far an optimizer step turns them.
         nn.init.normal_(self.w_q, std=0.1 / math.sqrt(cfg.d_key))
         nn.init.normal_(self.w_k, std=0.1 / math.sqrt(cfg.d_key))
         nn.init.normal_(self.w_v, std=0.1 / math.sqrt(cfg.d_value))
@@ -290,7 +292,7 @@ class MultiscreenBlock(nn.Module):
         h = screening(q, k, v, window, rho, meta)  # (B, T, H, dV): sum of alpha * m * v
         gate = torch.tanh(F.silu(project_heads(x, self.w_g)))
         u = tanh_norm(h) * gate * self.s_o.exp().to(h.dtype).unsqueeze(-1)
-        return torch.einsum("bthv,hdv->btd", u, self.w_o)  # summed over heads
+        return x + torch.einsum("bthv,hdv->btd", u, self.w_o)  # residual plus the sum over heads
 
 
 class MultiscreenLM(nn.Module):
@@ -334,7 +336,7 @@ class MultiscreenLM(nn.Module):
         embed = F.normalize(self.embed, dim=-1)
         x = F.embedding(idx, embed) * self.s_e.exp()
         for block in self.blocks:
-            x = x + block(x, doc_pos, meta)  # MiPE positions count from each document's start
+            x = block(x, doc_pos, meta)  # MiPE positions count from each document's start
         logits = F.linear(x, embed) * self.s_f.exp()
         return logits if targets is None else language_model_loss(logits, targets, reduction)
 

@@ -3,7 +3,7 @@
 - `adamw`: torch's AdamW over every parameter (fused on CUDA); weight decay on matrices and embeddings only.
 - `muon`: Muon (momentum, then Newton-Schulz orthogonalization) for "matrix" parameters, AdamW for the rest.
 - `aurora`: Aurora (orthogonalization with a row-balancing preconditioner for non-square matrices) for "matrix"
-  parameters, AdamW for the rest. The Multiscreen default.
+  parameters, AdamW for the rest. Meant for Multiscreen, whose per-head matrices are mostly non-square.
 
 Matrix parameters of more than two dimensions (per-head stacks `(H, m, n)`) are a batch of `m x n` matrices.
 Every param group carries `role`, `algorithm` and `initial_lr`; a schedule sets `lr = initial_lr * multiplier`.
@@ -12,6 +12,7 @@ Every param group carries `role`, `algorithm` and `initial_lr`; a schedule sets 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -89,13 +90,12 @@ class HybridOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["algorithm"] == "adamw":
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["algorithm"] == "adamw":
+                for p in params:
                     self._adamw_update(p, group)
-                else:
-                    self._orthogonal_update(p, group)
+            else:
+                self._orthogonal_updates(params, group)
         return loss
 
     def _adamw_update(self, p: torch.Tensor, group: dict) -> None:
@@ -113,21 +113,29 @@ class HybridOptimizer(torch.optim.Optimizer):
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
 
-    def _orthogonal_update(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        if not state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        buf = state["momentum_buffer"]
-        buf.lerp_(p.grad, 1 - group["momentum"])
-        update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-        if group["algorithm"] == "muon":
-            direction = newton_schulz(update, 5, MUON_COEFFICIENTS)
-        else:
-            direction = aurora_direction(update)
-        # Orthogonal updates have unit singular values; tall matrices get sqrt(rows/cols) so per-entry RMS matches.
-        scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(direction, alpha=-group["lr"] * scale)
+    def _orthogonal_updates(self, params: list[torch.Tensor], group: dict) -> None:
+        """Nesterov momentum, then one batched orthogonalization per distinct shape (few launches, not one per
+        matrix), then a decoupled-decay step."""
+        updates_by_shape: dict[torch.Size, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - group["momentum"])
+            update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            updates_by_shape[p.shape].append((p, update))
+        for shape, items in updates_by_shape.items():
+            stacked = torch.stack([update for _, update in items])
+            if group["algorithm"] == "muon":
+                directions = newton_schulz(stacked, 5, MUON_COEFFICIENTS)
+            else:
+                directions = aurora_direction(stacked)
+            # Orthogonal updates have unit singular values; tall matrices get sqrt(rows/cols) so entries' RMS matches.
+            scale = max(1.0, shape[-2] / shape[-1]) ** 0.5
+            for (p, _), direction in zip(items, directions.unbind(0)):
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(direction, alpha=-group["lr"] * scale)
 
 
 def parameters_by_role(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:

@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         raise PPTError("--skip-tasks runs bits per byte only; drop it to run --tasks or --demo-task")
     rt = init_runtime(args.device)
     run = load_run(args.model_tag, args.checkpoint)
-    tokenizer, data_dir = load_tokenizer_for(run, args.data_dir)
     model = build_from_checkpoint(run, rt.device)
+    tokenizer, data_dir = load_tokenizer_for(run, args.data_dir)
     seq_len = resolve_seq_len(args, run, model.config.max_seq_len)
     print0(
         f"{run.path} (step {run.state.get('step')}, {type(model).__name__}) on {rt.device} "

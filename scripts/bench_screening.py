@@ -153,9 +153,9 @@ def sweep(args: argparse.Namespace) -> None:
     v = torch.randn(B, T, H, args.dv, device="cuda").bfloat16()
     window, rho = model_init_windows(H).cuda(), torch.full((H,), args.rho, device="cuda")
     meta = screening_metadata(torch.arange(T, dtype=torch.int32, device="cuda").expand(B, T))
-    configs = [(16, 32, 2, 1), (32, 16, 2, 1), (32, 16, 4, 1), (32, 32, 2, 1), (32, 32, 4, 1), (32, 32, 4, 2),
-               (64, 32, 4, 1), (64, 32, 4, 2), (32, 64, 4, 1), (32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2),
-               (64, 16, 4, 1), (128, 32, 8, 2)]  # fmt: skip
+    configs = [(16, 16, 1, 1), (16, 16, 2, 1), (16, 32, 1, 1), (16, 32, 2, 1), (32, 16, 1, 1), (32, 16, 2, 1),
+               (32, 16, 2, 2), (32, 16, 2, 3), (32, 32, 1, 1), (32, 32, 2, 1), (32, 32, 2, 2), (32, 32, 4, 2),
+               (64, 16, 2, 1), (64, 16, 4, 1), (64, 32, 4, 2), (64, 64, 4, 2)]  # fmt: skip
     backward = lambda **blocks: screening_triton.screening_backward(q, q, v, window, rho, *meta, v, **blocks)
     kernels = {  # each backward timing includes the other backward kernel at its current config
         "FORWARD_BLOCKS": lambda c: screening_triton.screening_forward(q, q, v, window, rho, meta[0], blocks=c),

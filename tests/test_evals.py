@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("lm_eval")
@@ -20,8 +19,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from ppt.common import PPTError  # noqa: E402
 from ppt.evals import (  # noqa: E402
-    PROTOCOLS,
     PPTLM,
+    PROTOCOLS,
     Benchmark,
     check_tasks,
     demo_examples,
@@ -64,8 +63,9 @@ class Bigram(nn.Module):
 
 
 def tiny_llama(vocab_size: int, max_seq_len: int = 32) -> nn.Module:
-    config = LlamaConfig(n_layer=2, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=vocab_size,
-                         max_seq_len=max_seq_len)
+    config = LlamaConfig(
+        n_layer=2, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=vocab_size, max_seq_len=max_seq_len
+    )
     model = build_model(config)
     torch.manual_seed(0)
     model.init_weights()
@@ -108,7 +108,7 @@ def test_long_context_is_left_truncated_and_the_continuation_kept(tokenizer):
     model = tiny_llama(tokenizer.vocab_size, max_seq_len=L)
     context, continuation = " ".join(TEXTS[:3]), " Modules are cached"
     lm = PPTLM(model, tokenizer)
-    (logprob, _), = lm.loglikelihood(requests("loglikelihood", [(context, continuation)]))
+    ((logprob, _),) = lm.loglikelihood(requests("loglikelihood", [(context, continuation)]))
     tokens = [tokenizer.eot_id, *tokenizer.backend.encode(context + continuation).ids]
     n_cont = len(tokens) - 1 - len(tokenizer.backend.encode(context).ids)
     assert len(tokens) > L + 1
@@ -123,7 +123,8 @@ def test_long_context_is_left_truncated_and_the_continuation_kept(tokenizer):
 def test_rolling_loglikelihood_predicts_every_token_once_over_sliding_windows(tokenizer):
     model = Bigram(tokenizer.vocab_size, max_seq_len=16)
     texts = [" ".join(TEXTS[:4]), "Section 1."]
-    out = PPTLM(model, tokenizer, batch_size=5).loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
+    lm = PPTLM(model, tokenizer, batch_size=5)
+    out = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
     for text, total in zip(texts, out):
         tokens = [tokenizer.eot_id, *tokenizer.backend.encode(text).ids]
         assert total == pytest.approx(sum(model.logprob(a, b) for a, b in zip(tokens, tokens[1:])), abs=1e-4)
@@ -143,10 +144,16 @@ def test_generation_is_refused(tokenizer):
 def write_rolling_task(directory: Path, name: str, texts: list[str]) -> None:
     data = directory / f"{name}.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    config = {"task": name, "dataset_path": "json", "output_type": "loglikelihood_rolling", "test_split": "test",
-              "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(directory / "hf_cache")},
-              "doc_to_text": "", "doc_to_target": "{{text}}",
-              "metric_list": [{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}]}
+    config = {
+        "task": name,
+        "dataset_path": "json",
+        "output_type": "loglikelihood_rolling",
+        "test_split": "test",
+        "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(directory / "hf_cache")},
+        "doc_to_text": "",
+        "doc_to_target": "{{text}}",
+        "metric_list": [{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}],
+    }
     (directory / f"{name}.yaml").write_text(json.dumps(config))
 
 
@@ -158,8 +165,9 @@ def test_simple_evaluate_on_local_multiple_choice_and_rolling_tasks(tokenizer, t
     manager = task_manager([tmp_path], include_defaults=False)
     model = Bigram(tokenizer.vocab_size, max_seq_len=32)  # contexts are longer: truncated, which a bigram ignores
     lm = PPTLM(model, tokenizer, batch_size=8)
-    out = lm_eval.simple_evaluate(model=lm, tasks=["mc_local", "rolling_local"], task_manager=manager,
-                                  bootstrap_iters=0, log_samples=True)
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=["mc_local", "rolling_local"], task_manager=manager, bootstrap_iters=0, log_samples=True
+    )
 
     def score(context, continuation):
         tokens = [tokenizer.eot_id, *tokenizer.backend.encode(context + continuation).ids]
@@ -206,8 +214,15 @@ def test_presets_resolve_to_the_protocol_tasks_and_shots():
     def shots(name):
         return {task: b.num_fewshot for b in protocol(name) for task in b.tasks}
 
-    assert shots("ppt") == {"lambada_openai": 0, "hellaswag": 0, "piqa": 0, "winogrande": 5, "arc_easy": 25,
-                            "arc_challenge": 25, "mmlu": 5}
+    assert shots("ppt") == {
+        "lambada_openai": 0,
+        "hellaswag": 0,
+        "piqa": 0,
+        "winogrande": 5,
+        "arc_easy": 25,
+        "arc_challenge": 25,
+        "mmlu": 5,
+    }
     assert shots("mor") == {**{t: 0 for t in shots("ppt")}, "mmlu": 5}
     assert [b.label for b in PROTOCOLS["ppt"]] == ["LAMBADA", "HellaSwag", "PIQA", "WinoGrande", "ARC", "MMLU"]
     assert next(b for b in PROTOCOLS["ppt"] if b.label == "ARC").tasks == ("arc_easy", "arc_challenge")
@@ -221,14 +236,22 @@ def test_presets_resolve_to_the_protocol_tasks_and_shots():
 
 def test_parse_tasks_and_task_errors(tmp_path):
     assert parse_tasks("hellaswag, arc_easy:25", num_fewshot=3) == (
-        Benchmark("hellaswag", ("hellaswag",), 3, ""), Benchmark("arc_easy", ("arc_easy",), 25, ""))
+        Benchmark("hellaswag", ("hellaswag",), 3, ""),
+        Benchmark("arc_easy", ("arc_easy",), 25, ""),
+    )
     with pytest.raises(PPTError, match="shot count"):
         parse_tasks("arc_easy:many")
     with pytest.raises(PPTError, match="empty"):
         parse_tasks(" , ")
     write_choice_task(demo_examples([" ".join(TEXTS)], n=4), tmp_path, "local_choice")
-    config = {"task": "local_generate", "dataset_path": "json", "output_type": "generate_until", "test_split": "test",
-              "doc_to_text": "{{context}}", "doc_to_target": "{{answer}}"}
+    config = {
+        "task": "local_generate",
+        "dataset_path": "json",
+        "output_type": "generate_until",
+        "test_split": "test",
+        "doc_to_text": "{{context}}",
+        "doc_to_target": "{{answer}}",
+    }
     (tmp_path / "local_generate.yaml").write_text(json.dumps(config))
     manager = task_manager([tmp_path], include_defaults=False)
     with pytest.raises(PPTError, match="did you mean local_choice"):
@@ -271,3 +294,110 @@ def test_missing_lm_eval_is_a_clear_error(monkeypatch):
     spec = importlib.util.spec_from_file_location("ppt_evals_without_lm_eval", REPO / "ppt" / "evals.py")
     with pytest.raises(PPTError, match="uv sync --extra eval"):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# scripts: base_eval end to end, and the checkpoint model registered with lm-eval
+
+
+@pytest.fixture
+def trained_run(demo_data_dir, offline_private_cache):
+    """A tiny model saved as run "tiny-run" (the way base_train saves it), with a manifest, over the demo data."""
+    import dataclasses
+
+    from ppt import checkpoint as ckpt
+    from ppt.data import load_data_tokenizer
+
+    tokenizer = load_data_tokenizer(demo_data_dir)
+    config = LlamaConfig(
+        n_layer=1, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=tokenizer.vocab_size, max_seq_len=64
+    )
+    model = build_model(config)
+    torch.manual_seed(0)
+    model.init_weights()
+    directory = offline_private_cache / "checkpoints" / "tiny-run"
+    payload = {
+        "model": model.state_dict(),
+        "config": {"class": "LlamaConfig", **dataclasses.asdict(config)},
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "tokens": 4096,
+    }
+    path = ckpt.save_checkpoint(directory, 7, payload)
+    manifest = {"run": "tiny-run", "data": {"dir": str(demo_data_dir)}, "train": {"seq_len": 32}}
+    for target in (offline_private_cache / "reports" / "tiny-run.json", directory / "tiny-run.json"):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(manifest))
+    return path, payload, model.eval(), tokenizer
+
+
+def test_base_eval_demo_task_prints_the_table_and_updates_both_manifests(trained_run, offline_private_cache, capsys):
+    from ppt.data import DataLoader
+    from ppt.loss_eval import evaluate_bpb
+    from scripts import base_eval
+
+    path, _, model, tokenizer = trained_run
+    base_eval.main(
+        ["--model-tag", "tiny-run", "--eval-tokens", "1024", "--batch-size", "4", "--demo-task", "--device", "cpu"]
+    )
+    shown = capsys.readouterr().out
+    assert "| val bits per byte ↓ |" in shown and "demo continuation" in shown
+    data_dir = json.loads((path.parent / "tiny-run.json").read_text())["data"]["dir"]
+    expected = evaluate_bpb(model, DataLoader(data_dir, "val", 4, 32).val_batches(1024), tokenizer.token_bytes())
+    for manifest in (offline_private_cache / "reports" / "tiny-run.json", path.parent / "tiny-run.json"):
+        data = json.loads(manifest.read_text())
+        assert data["train"] == {"seq_len": 32}, "other keys of the manifest are kept"
+        evaluation = data["eval"]
+        assert evaluation["checkpoint"] == str(path) and evaluation["step"] == 7 and evaluation["seq_len"] == 32
+        assert evaluation["val"] == expected  # deterministic: the same numbers as a direct call
+        assert evaluation["benchmarks"]["protocol"] == "demo"
+        assert 0 <= evaluation["benchmarks"]["rows"]["demo continuation (4-way)"] <= 100
+        assert f"{expected['bpb']:.4f}" in shown
+
+
+def test_base_eval_rejects_bad_checkpoints_and_tokenizers(trained_run, tmp_path, demo_data_dir):
+    from ppt import checkpoint as ckpt
+    from scripts import base_eval
+
+    path, payload, _, _ = trained_run
+    with pytest.raises(PPTError, match="no checkpoint for tag 'missing'.*tiny-run"):
+        base_eval.main(["--model-tag", "missing"])
+    with pytest.raises(PPTError, match="does not exist"):
+        base_eval.main(["--checkpoint", str(tmp_path / "step_00000001.pt")])
+    other = ckpt.save_checkpoint(tmp_path / "other", 1, {**payload, "config": {**payload["config"], "class": "Mamba"}})
+    with pytest.raises(PPTError, match="'Mamba' is not in ppt/model.py"):
+        base_eval.main(["--checkpoint", str(other), "--skip-tasks"])
+    wider = {**payload["config"], "d_model": 64}
+    other = ckpt.save_checkpoint(tmp_path / "wider", 1, {**payload, "config": wider})
+    with pytest.raises(PPTError, match="another architecture"):
+        base_eval.main(["--checkpoint", str(other), "--skip-tasks"])
+    other = ckpt.save_checkpoint(tmp_path / "retok", 1, {**payload, "tokenizer_fingerprint": "cd" * 32})
+    with pytest.raises(PPTError, match="was trained with tokenizer cdcdcdcd"):
+        base_eval.main(["--checkpoint", str(other), "--skip-tasks", "--data-dir", str(demo_data_dir)])
+
+
+def test_checkpoint_model_is_registered_with_lm_eval(trained_run, tmp_path):
+    from lm_eval.api.registry import get_model
+
+    from scripts.lm_eval import CheckpointLM, parse_batch_size
+
+    path, _, model, tokenizer = trained_run
+    assert get_model("ppt") is CheckpointLM
+    assert parse_batch_size("auto:4") == 16 and parse_batch_size("8") == 8
+    with pytest.raises(PPTError, match="not a number"):
+        parse_batch_size("big")
+    write_choice_task(demo_examples([" ".join(TEXTS)], n=6), tmp_path, "mc_registered")
+    out = lm_eval.simple_evaluate(
+        model="ppt",
+        model_args=f"checkpoint={path},dtype=fp32",
+        tasks=["mc_registered"],
+        device="cuda:0",
+        batch_size="auto",
+        bootstrap_iters=0,
+        log_samples=True,
+        task_manager=task_manager([tmp_path], include_defaults=False),
+    )
+    direct = PPTLM(model, tokenizer)
+    for sample in out["samples"]["mc_registered"]:
+        pairs = [(sample["doc"]["context"], " " + choice) for choice in sample["doc"]["choices"]]
+        expected = [lp for lp, _ in direct.loglikelihood(requests("loglikelihood", pairs))]
+        assert [lp for lp, _ in sample["filtered_resps"]] == pytest.approx(expected, abs=1e-5)

@@ -30,8 +30,17 @@ TEXT = " ".join(
 def exported(tmp_path_factory):
     """A tiny randomly initialized vanilla model (max length 48, GQA, non-default rope theta) and its export."""
     tokenizer = train_demo_tokenizer([TEXT], vocab_size=300)
-    config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, vocab_size=tokenizer.vocab_size,
-                         max_seq_len=48, rope_theta=500.0, rms_eps=1e-6)
+    config = LlamaConfig(
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        d_model=64,
+        d_ff=96,
+        vocab_size=tokenizer.vocab_size,
+        max_seq_len=48,
+        rope_theta=500.0,
+        rms_eps=1e-6,
+    )
     model = build_model(config)
     torch.manual_seed(0)
     model.init_weights()
@@ -42,8 +51,12 @@ def exported(tmp_path_factory):
 
 def test_export_loads_as_llama_with_the_same_logits_and_an_eot_prefixing_tokenizer(exported):
     model, tokenizer, out = exported
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                      "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.tie_word_embeddings
     hf_tokenizer = AutoTokenizer.from_pretrained(out)
@@ -59,23 +72,30 @@ def test_hflm_on_the_export_matches_the_adapter(exported, tmp_path):
     contexts overflow the 48-token window (both left-truncate) and on a rolling-loglikelihood task."""
     pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (lm-eval's hf extra)")
     from lm_eval.models.huggingface import HFLM
+
     model, tokenizer, out = exported
     examples = demo_examples([TEXT], n=16, seed=2)
     assert max(len(tokenizer.backend.encode(e["context"]).ids) for e in examples) > 48, "exercise truncation"
     write_choice_task(examples, tmp_path, "parity_choice")
     data = tmp_path / "parity_rolling.jsonl"
     data.write_text("".join(json.dumps({"text": TEXT[i : i + 400]}) + "\n" for i in range(0, 1600, 400)))
-    rolling = {"task": "parity_rolling", "dataset_path": "json", "output_type": "loglikelihood_rolling",
-               "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(tmp_path / "hf_cache")},
-               "test_split": "test", "doc_to_text": "", "doc_to_target": "{{text}}",
-               "metric_list": [{"metric": "word_perplexity", "aggregation": "weighted_perplexity",
-                                "higher_is_better": False}]}
+    rolling = {
+        "task": "parity_rolling",
+        "dataset_path": "json",
+        "output_type": "loglikelihood_rolling",
+        "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(tmp_path / "hf_cache")},
+        "test_split": "test",
+        "doc_to_text": "",
+        "doc_to_target": "{{text}}",
+        "metric_list": [{"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False}],
+    }
     (tmp_path / "parity_rolling.yaml").write_text(json.dumps(rolling))
     manager = task_manager([tmp_path], include_defaults=False)
 
     def evaluate(lm, task):
-        result = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager, bootstrap_iters=0,
-                                         log_samples=True)
+        result = lm_eval.simple_evaluate(
+            model=lm, tasks=[task], task_manager=manager, bootstrap_iters=0, log_samples=True
+        )
         return result["results"][task], [s["filtered_resps"] for s in result["samples"][task]]
 
     ours = PPTLM(model, tokenizer, device="cpu", batch_size=4)

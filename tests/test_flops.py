@@ -63,10 +63,10 @@ def test_smollm_360m_params_and_flops_per_token_match_the_closed_form():
     assert non_embedding == pytest.approx(314.6e6, rel=1e-3)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(362e6, rel=1e-2)
     assert per_token["params_matmul"] == matmul_params
-    assert per_token["flops_per_token_6n"] == pytest.approx(2.17e9, rel=1e-2)
-    assert per_token["attention_flops_per_token"] == pytest.approx(0.755e9, rel=1e-2)
-    assert per_token["attention_flops_per_token"] == 12 * L * H * Q * T  # the convention, exactly
-    assert per_token["flops_per_token"] == pytest.approx(6 * matmul_params + 12 * L * H * Q * T, rel=1e-2)
+    assert per_token["6n"] == pytest.approx(2.17e9, rel=1e-2)
+    assert per_token["attention"] == pytest.approx(0.755e9, rel=1e-2)
+    assert per_token["attention"] == 12 * L * H * Q * T  # the convention, exactly
+    assert per_token["mfu"] == pytest.approx(6 * matmul_params + 12 * L * H * Q * T, rel=1e-2)
 
 
 def test_matmul_flops_equal_flop_counter_mode_on_a_real_forward_backward():
@@ -98,10 +98,15 @@ def test_hand_built_model_counts_params_flops_and_operand_bytes_exactly():
     # Each mm reads its operands and writes its result, in bf16: (tokens x in) @ (in x out) -> (tokens x out).
     mm_bytes = sum(2 * (tokens * i + i * o + tokens * o) for i, o in ((16, 48), (48, 16), (16, 64)))
     assert step.bytes[("primal", "matmul")] == {B16: mm_bytes}
-    assert step.flops[("primal", "elementwise")][B16] == tokens * (48 + 16)  # relu, residual add
+    assert step.flops[("primal", "elementwise")] == {B16: tokens * 48, torch.float32: tokens * 16}  # relu, add
+    # Autocast: fp32 weights and activations are cast to bf16 once each, the tied embedding included.
+    assert step.bytes[("primal", "selection")][torch.float32] >= 4 * (16 * 48 + 48 * 16 + 64 * 16)
     assert step.bytes[("primal", "selection")][torch.int64] == tokens * 8  # the token ids the embedding reads
     assert step.intensity(("primal", "matmul"), B16) == pytest.approx(2 * n * tokens / mm_bytes)
     assert "primal matmul" in str(step) and "total" in str(step)
+    fp32 = cost(model, batch_size=2, seq_len=8, dtype=torch.float32)  # no autocast: no casts, nothing in bf16
+    assert fp32.flops[("primal", "matmul")] == {torch.float32: 2 * n * tokens}
+    assert B16 not in fp32.dtypes("bytes") and not any(op == "_to_copy" for _, _, _, op, _ in fp32.ops)
 
 
 def test_attention_term_comes_from_activation_matmuls_not_from_names():

@@ -128,7 +128,7 @@ def test_deterministic_restores_mode_and_does_not_depend_on_batching():
     inputs = torch.randint(0, 64, (6, 32), generator=gen)
     targets = torch.randint(0, 64, (6, 32), generator=gen)
     doc_pos = torch.cat([torch.arange(16), torch.arange(16)]).int().expand(6, -1)
-    token_bytes = (torch.arange(64, dtype=torch.int32) % 4)
+    token_bytes = torch.arange(64, dtype=torch.int32) % 4
     whole = [(inputs, targets, doc_pos)]
     first = evaluate_bpb(model, whole, token_bytes)
     assert model.training, "evaluate_bpb must leave the model in training mode"

@@ -33,7 +33,8 @@ def widely_connected(name: str) -> torch.nn.Module:
 
 
 def first_block_input_grads(model, idx, t, doc_pos=None):
-    """d logits[:, t] / d (input of the first block): (B, T, d). The first block's input is the embedded sequence."""
+    """d logits[:, t] / d (input of the first block): (B, T, d). The first block's input is the embedded sequence,
+    and every path from it (residual included) runs through the blocks, which take and return the residual stream."""
     captured = {}
 
     def make_leaf(module, args):
@@ -250,7 +251,7 @@ def test_multiscreen_layer_matches_the_paper_equations(training):
     doc_pos = torch.cat([torch.arange(9), torch.arange(21)]).int().unsqueeze(0).repeat(2, 1)
     x = torch.randn(2, 30, model.config.d_model)
     with torch.no_grad():
-        ours = block(x, doc_pos, screening_metadata(doc_pos))
+        ours = block(x, doc_pos, screening_metadata(doc_pos)) - x  # the block returns the updated residual
         reference = dense_screening_block(block, x, doc_pos)
     assert reference.abs().max() > 1e-3  # the comparison is not between two zeros
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-4)

@@ -68,6 +68,35 @@ def test_aurora_on_square_matrices_is_the_polar_factor():
     torch.testing.assert_close(aurora_direction(G), U @ Vh, atol=2e-3, rtol=0)
 
 
+class ThreeMatrices(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.a = nn.Parameter(torch.randn(24, 8, generator=generator))
+        self.b = nn.Parameter(torch.randn(24, 8, generator=generator))  # same shape as a: orthogonalized in one batch
+        self.c = nn.Parameter(torch.randn(3, 8, 16, generator=generator))  # a per-head stack
+
+    def param_roles(self) -> dict[str, str]:
+        return {"a": "matrix", "b": "matrix", "c": "matrix"}
+
+
+@pytest.mark.parametrize("name", ["muon", "aurora"])
+def test_first_orthogonal_step_matches_the_formula(name):
+    model = ThreeMatrices()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    lr, momentum, decay = 0.05, 0.9, 0.1
+    build_optimizer(model, name, lr=lr, momentum=momentum, weight_decay=decay).step()
+    for n, p in model.named_parameters():
+        update = grads[n].lerp((1 - momentum) * grads[n], momentum)  # Nesterov on a fresh momentum buffer
+        direction = newton_schulz(update, 5, MUON_COEFFICIENTS) if name == "muon" else aurora_direction(update)
+        scale = max(1.0, p.shape[-2] / p.shape[-1]) ** 0.5
+        expected = before[n] * (1 - lr * decay) - lr * scale * direction
+        torch.testing.assert_close(p.detach(), expected, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Groups
 

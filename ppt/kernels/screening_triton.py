@@ -18,10 +18,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per kernel, picked on an H200 at dK 16, dV 64.
-FORWARD_BLOCKS = (64, 64, 4, 2)
-DQ_BLOCKS = (64, 64, 4, 2)
-DKDV_BLOCKS = (64, 64, 4, 2)
+# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per kernel: the fastest of a sweep on an H200 at the model's
+# shape (dK 16, dV 64, windows 2..257; scripts/bench_screening.py --sweep). Small tiles win: most heads' windows are
+# short, so larger tiles mostly compute masked-out pairs.
+FORWARD_BLOCKS = (32, 16, 2, 3)
+DQ_BLOCKS = (32, 16, 2, 2)
+DKDV_BLOCKS = (16, 32, 1, 1)
 
 
 @triton.jit
@@ -273,10 +275,9 @@ def screening_backward(
 
     block_m, block_n, warps, stages = dq_blocks or DQ_BLOCKS
     n_tiles = triton.cdiv(T, block_m)
-    dw_part = torch.empty((B, H, n_tiles), device=q.device, dtype=torch.float32)
-    drho_part = torch.empty((B, H, n_tiles), device=q.device, dtype=torch.float32)
+    partials = torch.empty((2, B, H, n_tiles), device=q.device, dtype=torch.float32)  # d window, d rho per program
     _dq_kernel[(B * H, n_tiles)](
-        q, k, v, grad_out, dq, dw_part, drho_part, window, rho, doc_start, *_shape_args(q, v),
+        q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
         DK=dK, DV=dV, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
@@ -285,4 +286,4 @@ def screening_backward(
         q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v),
         DK=dK, DV=dV, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return dq, dk, dv, dw_part.sum(dim=(0, 2)), drho_part.sum(dim=(0, 2))
+    return dq, dk, dv, partials[0].sum(dim=(0, 2)), partials[1].sum(dim=(0, 2))  # separate tensors: no aliasing

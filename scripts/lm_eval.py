@@ -1,0 +1,93 @@
+"""lm-eval's own command line, with ppt checkpoints registered as `--model ppt`: every lm-eval flag works.
+
+    python -m scripts.lm_eval --model ppt --model_args model_tag=smollm-360m --tasks hellaswag --batch_size 16
+    python -m scripts.lm_eval --model ppt --model_args checkpoint=PATH,dtype=bf16 --tasks arc_easy --num_fewshot 25
+    python -m scripts.lm_eval ls tasks
+
+model_args: `checkpoint` (a step_*.pt file or a folder of them) or `model_tag` (a training run's --tag), and
+optionally `data_dir` (where the run's tokenizer is; default the run's data dir), `dtype` (bf16|fp16|fp32; default
+autodetected) and `max_length`. lm-eval 0.4.x finds models only in its registry, which this script fills before
+handing over; the plain `lm_eval` command does not know `ppt`. One process: for several GPUs, run
+`torchrun ... -m scripts.base_eval`, whose adapter splits the requests over ranks.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ppt.common import PPTError, autodetect_device, autodetect_dtype, warn0
+from scripts.model_io import build_from_checkpoint, load_run, load_tokenizer_for
+
+try:  # the eval extra: say how to install it rather than show a traceback
+    from lm_eval.api.registry import register_model
+
+    from ppt.evals import PPTLM
+except (ImportError, PPTError):
+    print("error: lm-eval is not installed: uv sync --extra eval", file=sys.stderr)
+    sys.exit(2)
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+DEFAULT_BATCH_SIZE = 16
+
+
+def parse_batch_size(value: Any) -> int:
+    """lm-eval passes --batch_size as given: a number, or "auto", which ppt treats as the default."""
+    if value is None or str(value).startswith("auto"):
+        return DEFAULT_BATCH_SIZE
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise PPTError(f"--batch_size {value!r} is not a number; pass e.g. --batch_size 16") from exc
+
+
+@register_model("ppt")
+class CheckpointLM(PPTLM):
+    """`--model ppt`: the adapter over a model rebuilt from a ppt checkpoint."""
+
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        model_tag: str | None = None,
+        data_dir: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        batch_size: int | str | None = None,
+        max_length: int | None = None,
+        **unused: Any,  # lm-eval's max_batch_size and the like
+    ) -> None:
+        run = load_run(model_tag, checkpoint)
+        tokenizer, _ = load_tokenizer_for(run, data_dir)
+        target = torch.device(device) if device else autodetect_device()
+        if target.type == "cuda" and not torch.cuda.is_available():  # lm-eval's default device is cuda:0
+            warn0(f"device {device} is unavailable here; using {autodetect_device()}")
+            target = autodetect_device()
+        if dtype is not None and str(dtype) not in DTYPES:
+            raise PPTError(f"dtype={dtype} is not one of {', '.join(DTYPES)}")
+        model = build_from_checkpoint(run, target)
+        precision = DTYPES[str(dtype)] if dtype else autodetect_dtype(target)
+        max_length = int(max_length) if max_length else None
+        super().__init__(model, tokenizer, target, precision, parse_batch_size(batch_size), max_length)
+
+
+def main() -> None:
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except PPTError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
