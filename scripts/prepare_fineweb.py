@@ -23,15 +23,18 @@ import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.pool import AsyncResult, Pool
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer as BackendTokenizer
 from tqdm import tqdm
 
 from ppt.common import PPTError
@@ -214,9 +217,7 @@ _worker_tokenizer: Tokenizer | None = None
 
 def _init_worker(tokenizer_json: str, name: str) -> None:
     global _worker_tokenizer
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; avoid cores x threads
-    from tokenizers import Tokenizer as BackendTokenizer
-
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it terminates the pool
     _worker_tokenizer = Tokenizer(BackendTokenizer.from_str(tokenizer_json), name)
 
 
@@ -225,31 +226,40 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return encode_documents(_worker_tokenizer, texts)
 
 
-def encode_in_order(
-    batches: Iterable[list[str]], tokenizer: Tokenizer, workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Encode batches of documents on `workers` processes, yielding results in input order.
+@contextmanager
+def worker_pool(tokenizer: Tokenizer, workers: int) -> Iterator[Pool | None]:
+    """Tokenizer processes, or None for in-process tokenization when workers <= 1.
 
-    At most 2 * workers batches are in flight, so a streamed corpus is never read ahead into memory.
+    On Linux the workers are forked (instant; spawning re-imports torch in each) so open the pool before the
+    document source starts any threads. Each worker encodes single-threaded: the processes are the parallelism.
     """
     if workers <= 1:
+        yield None
+        return
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited by the workers; also silences the fork warning
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with context.Pool(workers, _init_worker, (tokenizer.backend.to_str(), tokenizer.name)) as pool:
+        yield pool  # leaving the block terminates the workers, also when stopped early
+
+
+def encode_in_order(
+    batches: Iterable[list[str]], tokenizer: Tokenizer, pool: Pool | None, workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Encode batches of documents, on the pool's workers if there is one, yielding results in input order.
+
+    At most 2 * workers batches are in flight, so a streamed corpus is never read far ahead into memory.
+    """
+    if pool is None:
         for texts in batches:
             yield encode_documents(tokenizer, texts)
         return
-    context = multiprocessing.get_context("spawn")  # fork is unsafe with the threads datasets/tokenizers start
-    initargs = (tokenizer.backend.to_str(), tokenizer.name)
-    pending: deque[Future] = deque()
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=initargs) as pool:
-        try:
-            for texts in batches:
-                pending.append(pool.submit(_encode_in_worker, texts))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:  # stopped early (enough shards, Ctrl-C): drop the work nobody will read
-            for future in pending:
-                future.cancel()
+    pending: deque[AsyncResult] = deque()
+    for texts in batches:
+        pending.append(pool.apply_async(_encode_in_worker, (texts,)))
+        if len(pending) >= 2 * workers:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -452,35 +462,37 @@ def prepare(args: argparse.Namespace) -> None:
         done, skip = meta["train"]["shards"], meta["progress"]["docs_consumed"]
         print(f"resuming {out}: {done} train shards done, skipping the {skip:,} documents they hold")
 
-    skip = meta["progress"]["docs_consumed"]
-    if kind == "fineweb":
-        documents = open_fineweb(skip)  # before writing anything: an unreachable hub leaves no trace
-    else:
-        documents = itertools.islice(demo_documents() if kind == "demo" else local_documents(files), skip, None)
-    if fresh:
-        tokenizer.save(out)
-        write_meta(out, meta)
-    remove_leftovers(out, meta)
-
     writer = ShardWriter(out, meta, tokenizer, target_shards)
     remaining = None
     if target_shards is not None:
         remaining = (0 if writer.val is None else val_tokens) + (target_shards - meta["train"]["shards"]) * shard_tokens
-    start = time.perf_counter()
-    try:
-        with tqdm(total=remaining, unit="tok", unit_scale=True, desc="tokenizing", disable=None) as progress:
-            for lengths, tokens in encode_in_order(batched(documents, DOCS_PER_TASK), tokenizer, args.workers):
-                writer.feed(lengths, tokens)
-                progress.update(tokens.size)
-                if writer.done:
-                    break
-            else:
-                writer.finish()
-    except BaseException:
-        if fresh and meta["train"]["shards"] == 0:  # failed before the first shard: leave no half-made directory
-            for name in ("meta.json", "tokenizer.json"):
-                (out / name).unlink(missing_ok=True)
-        raise
+    with worker_pool(tokenizer, args.workers) as pool:  # before the source opens: forking needs no threads yet
+        skip = meta["progress"]["docs_consumed"]
+        if kind == "fineweb":
+            documents = open_fineweb(skip)  # before writing anything: an unreachable hub leaves no trace
+        else:
+            documents = itertools.islice(demo_documents() if kind == "demo" else local_documents(files), skip, None)
+        if fresh:
+            tokenizer.save(out)
+            write_meta(out, meta)
+        remove_leftovers(out, meta)
+
+        start = time.perf_counter()
+        encoded = encode_in_order(batched(documents, DOCS_PER_TASK), tokenizer, pool, args.workers)
+        try:
+            with tqdm(total=remaining, unit="tok", unit_scale=True, desc="tokenizing", disable=None) as progress:
+                for lengths, tokens in encoded:
+                    writer.feed(lengths, tokens)
+                    progress.update(tokens.size)
+                    if writer.done:
+                        break
+                else:
+                    writer.finish()
+        except BaseException:
+            if fresh and meta["train"]["shards"] == 0:  # failed before the first shard: leave no half-made dir
+                for name in ("meta.json", "tokenizer.json"):
+                    (out / name).unlink(missing_ok=True)
+            raise
     elapsed = time.perf_counter() - start
     print(
         f"wrote {writer.tokens_written:,} tokens in {elapsed:.1f}s ({writer.tokens_written / elapsed:,.0f} tokens/s, "

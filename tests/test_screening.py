@@ -80,8 +80,8 @@ def test_metadata_matches_definition():
 
 def test_reference_matches_naive_formula():
     g = torch.Generator().manual_seed(2)
-    B, T, H = 2, 40, 4
-    doc_pos = random_doc_pos(B, T, 12, g)
+    B, T, H = 2, 28, 4
+    doc_pos = random_doc_pos(B, T, 10, g)
     q, k, v = random_inputs(B, T, H, 8, 5)
     window, rho = torch.tensor(WINDOWS, dtype=F64), torch.tensor(RHOS, dtype=F64)
     got = screening_reference(q, k, v, window, rho, screening_metadata(doc_pos))
@@ -210,8 +210,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     from ppt.kernels.screening_triton import screening_backward, screening_forward
 
     g = torch.Generator().manual_seed(8)
-    B, T, H, dK, dV = 2, 56, 4, 16, 16  # T not a multiple of any block; several documents per row
-    meta = screening_metadata(random_doc_pos(B, T, 20, g))
+    B, T, H, dK, dV = 2, 40, 4, 16, 16  # T not a multiple of any block; several documents per row
+    meta = screening_metadata(random_doc_pos(B, T, 15, g))
     q, k, v = random_inputs(B, T, H, dK, dV, dtype=torch.float32, seed=8)
     window, rho = torch.tensor(WINDOWS), torch.tensor(RHOS)
     grad_out = torch.randn(B, T, H, dV, generator=g)

@@ -15,7 +15,8 @@ Public API:
                                                            the plain-torch path on CPU); autograd + torch.compile
     h = screening_reference(q, k, v, window, rho, meta)    plain PyTorch, autograd through torch ops, float64-capable
     screening_cost(B, T, H, dK, dV, window, meta, dtype)   {"pairs", "fwd_flops", "bwd_flops", "fwd_bytes", ...}
-    COST_FORMULAS / FLOP_FORMULAS                          {op overload: formula(*op_args, **kw)} for a FLOP counter
+    COST_FORMULAS / FLOP_FORMULAS                          {op packet: formula(*op_args, **kw)} for the forward and
+                                                           backward ops; FlopCounterMode(custom_mapping=FLOP_FORMULAS)
 
 Shapes and dtypes: q, k (B, T, H, dK); v (B, T, H, dV); bf16, fp16, fp32 (and fp64 on CPU); window, rho (H,)
 float32; meta = (doc_start, doc_end), both (B, T) int32. The CUDA kernels tile head dims of 16, 32, 64 or 128.
@@ -268,7 +269,7 @@ def screening(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, meta
     _check_inputs(q, k, v, window, rho, doc_start, doc_end)
     if q.device.type == "cuda":
         _check_kernel_inputs(q, v)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v, doc_start, doc_end = (t.contiguous() for t in (q, k, v, doc_start, doc_end))  # what the kernels index
     return torch.ops.ppt.screening(q, k, v, window, rho, doc_start, doc_end)
 
 

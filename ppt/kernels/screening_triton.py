@@ -5,9 +5,10 @@ Three kernels, one program per (batch row, head, tile), no atomics:
   dQ      : same loop; also writes per-program partial sums of d window and d rho (reduced by torch afterwards)
   dK/dV   : per key tile, loop over the query tiles whose window and document reach it
 Loop bounds come from the window and the document metadata inside the kernel, so no host sync and no wasted tiles
-outside [max(doc start, i0 - ceil(w) + 1), i1]. The softmask cos(pi (i - j) / w) is a rank-2 product
-cos a_i cos a_j + sin a_i sin a_j with a = pi * (position - tile origin) / w: one cos/sin per row and column
-instead of per pair, and small angles (relative to the tile) keep it accurate for long rows.
+outside [max(doc start, i0 - ceil(w) + 1), i1]; tiles wholly inside window and document skip the mask. The softmask
+cos(pi (i - j) / w) is a rank-2 product cos a_i cos a_j + sin a_i sin a_j of per-row and per-column angles, taken
+relative to the current tile (small angles stay accurate on long rows) and turned from tile to tile by angle
+addition, so a program evaluates sin/cos once per row and column rather than once per pair.
 Operands go to tensor cores in the input dtype (bf16/fp16) with fp32 accumulation; fp32 inputs use IEEE dots.
 """
 
@@ -88,7 +89,7 @@ def _query_tile_setup(DOC_START, b, i0, T, w, BLOCK_M: tl.constexpr, BLOCK_N: tl
     return doc_start_i, doc_start_max, first_key, last_key
 
 
-# Rows rows and columns of the (query x key) tile carry angles pi * position / w with positions relative to the
+# Rows and columns of the (query x key) tile carry angles pi * position / w with positions relative to the
 # current key tile: row angles start at pi (r + i0 - first_key) / w and turn by -pi BLOCK_N / w per key tile, column
 # angles pi c / w stay put. A handful of sin/cos per program instead of one per column per tile.
 
