@@ -80,9 +80,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
-def _describe_tokenizer(name: str, fingerprint: str, is_demo: bool | None = None) -> str:
+def _describe_tokenizer(name: str, fingerprint: str, is_demo: bool = False) -> str:
     kind = " (the offline demo BPE)" if is_demo else ""
-    return f"{name or 'an unnamed tokenizer'}{kind}, fingerprint {fingerprint[:16]}"
+    return f"{name or 'the tokenizer'}{kind} with fingerprint {fingerprint[:16]}"
 
 
 def write_shard(
@@ -326,7 +326,7 @@ class DataLoader:
         self.epoch, self.position = 0, 0  # position: index into this rank's rows of the current epoch
         self._file_order = (np.arange(len(self.infos)), np.cumsum(self.rows_per_shard))
         self._layout: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative rows)
-        self._row_perms: dict[int, np.ndarray] = {}  # this epoch's row permutation of each shard reached so far
+        self._row_perm: tuple[int, np.ndarray] | None = None  # (shard, its row order this epoch): ranks move forward
 
     @property
     def tokens_per_epoch(self) -> int:
@@ -345,17 +345,17 @@ class DataLoader:
         else:
             if self._layout is None or self._layout[0] != epoch:
                 order = np.random.default_rng([self.seed, epoch]).permutation(len(self.infos))
-                self._layout, self._row_perms = (epoch, order, np.cumsum(self.rows_per_shard[order])), {}
+                self._layout, self._row_perm = (epoch, order, np.cumsum(self.rows_per_shard[order])), None
             _, order, row_ends = self._layout
         slot = int(np.searchsorted(row_ends, global_row, side="right"))
         shard = int(order[slot])
         local = global_row - (int(row_ends[slot - 1]) if slot else 0)
         if not shuffle:
             return shard, local
-        if shard not in self._row_perms:
+        if self._row_perm is None or self._row_perm[0] != shard:
             rng = np.random.default_rng([self.seed, epoch, shard])
-            self._row_perms[shard] = rng.permutation(int(self.rows_per_shard[shard]))
-        return shard, int(self._row_perms[shard][local])
+            self._row_perm = (shard, rng.permutation(int(self.rows_per_shard[shard])))
+        return shard, int(self._row_perm[1][local])
 
     def _batch(self, locations: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Build a batch from (shard, row) pairs."""

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ppt.common import PPTError
+from ppt.kernels.attention import attention, document_mask
 from ppt.kernels.screening import screening, screening_metadata
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -37,16 +38,6 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
-
-
-def document_causal_mask(doc_pos: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, 1, T, T) mask: query t sees key s iff t - doc_pos[t] <= s <= t (its own document, causally)."""
-    T = doc_pos.shape[1]
-    pos = torch.arange(T, device=doc_pos.device)
-    doc_start = pos - doc_pos.long()  # (B, T): index of the first token of each query's document
-    keys = pos.view(1, 1, T)
-    mask = (keys <= pos.view(1, T, 1)) & (keys >= doc_start.unsqueeze(-1))
-    return mask.unsqueeze(1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,18 +65,13 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, config.n_kv_head * self.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if mask is None:  # plain causal: flash attention handles GQA natively
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        else:  # masked SDPA runs the memory-efficient kernel, which wants as many KV heads as query heads
-            groups = self.n_head // self.n_kv_head
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attention(q, k, v, mask)  # causal flash, FlexAttention (CUDA, compiled) or dense-mask SDPA
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -108,7 +94,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.rms_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -165,7 +151,7 @@ class Llama(nn.Module):
         reduction: str = "mean",
     ) -> torch.Tensor:
         T = check_sequence_length(idx, self.config.max_seq_len)
-        mask = None if doc_pos is None else document_causal_mask(doc_pos)  # built once, shared by every layer
+        mask = document_mask(doc_pos)  # built once per batch, shared by every layer
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.embed(idx)
         for block in self.blocks:

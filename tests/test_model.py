@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ppt.common import PPTError
-from ppt.model import CONFIGS, LlamaConfig, build_model, document_causal_mask, get_config
+from ppt.model import CONFIGS, LlamaConfig, build_model, get_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -121,21 +121,6 @@ def test_initial_loss_is_near_uniform():
     idx = torch.randint(0, 4096, (4, 64))
     targets = torch.randint(0, 4096, (4, 64))
     assert abs(model(idx, targets).item() - math.log(4096)) < 0.1
-
-
-def test_document_mask_semantics():
-    doc_pos = torch.tensor([[0, 1, 2, 0, 1]], dtype=torch.int32)
-    expected = torch.tensor(
-        [
-            [1, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0],
-            [1, 1, 1, 0, 0],
-            [0, 0, 0, 1, 0],
-            [0, 0, 0, 1, 1],
-        ],
-        dtype=torch.bool,
-    )
-    assert torch.equal(document_causal_mask(doc_pos)[0, 0], expected)
 
 
 def test_logits_match_hugging_face_llama():

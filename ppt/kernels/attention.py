@@ -23,17 +23,18 @@ except ImportError:  # pragma: no cover - older torch: the reference path only
     BlockMask = create_block_mask = flex_attention = None
 
 
-def _use_flex(doc_pos: Tensor) -> bool:
-    return flex_attention is not None and doc_pos.is_cuda and torch.compiler.is_compiling()
+def document_mask(doc_pos: Tensor | None, flex: bool | None = None) -> Tensor | BlockMask | None:
+    """The per-batch mask: None (plain causal), a FlexAttention BlockMask, or a boolean (B, 1, T, T) tensor.
 
-
-def document_mask(doc_pos: Tensor | None) -> Tensor | BlockMask | None:
-    """The per-batch mask: None (plain causal), a FlexAttention BlockMask, or a boolean (B, 1, T, T) tensor."""
+    `flex=None` picks FlexAttention on CUDA under torch.compile (eager FlexAttention is slow) and the dense mask
+    elsewhere."""
     if doc_pos is None:
         return None
+    if flex is None:
+        flex = flex_attention is not None and doc_pos.is_cuda and torch.compiler.is_compiling()
     B, T = doc_pos.shape
     doc_start = torch.arange(T, device=doc_pos.device) - doc_pos.long()
-    if _use_flex(doc_pos):
+    if flex:
 
         def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
             return (kv <= q) & (kv >= doc_start[b, q])
