@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import signal
 import sys
@@ -24,7 +25,7 @@ from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
 from ppt.flops import mfu_flops_per_token, peak_flops
 from ppt.loss_eval import autocast, evaluate_bpb
 from ppt.model import CONFIGS, build_model, get_config
-from ppt.optim import build_optimizer, lr_multiplier, set_lr
+from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.report import RunReport
 
 
@@ -45,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--schedule", choices=["constant", "cosine", "wsd"], default="wsd")
     g.add_argument("--warmup-tokens", type=float, help="LR warmup length in tokens (default 1%% of the budget)")
+    g.add_argument(
+        "--no-doc-masks",
+        action="store_true",
+        help="train on plain causal rows, ignoring document boundaries (to measure what the masks cost)",
+    )
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 disables)")
     g.add_argument("--skip-nonfinite", type=int, default=0, help="skip up to N steps whose loss/grad is NaN/inf")
     g = p.add_argument_group("run")
@@ -61,10 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--log-every", type=int, default=1)
     g.add_argument("--max-steps", type=int, help="stop at this step without changing the LR schedule (benchmarks)")
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
+    g.add_argument(
+        "--benchmark",
+        action="store_true",
+        help="measure instead of train for keeps: no checkpoints or evals, a synchronized phase breakdown per step, "
+        "a JSON summary at the end (steps after the first 5 count)",
+    )
     return p.parse_args(argv)
-
-
-DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02, "aurora": 2**-3}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         print0(f"resumed from {resume_path} at step {start_step}")
 
     # ---- compile and DDP --------------------------------------------------------------------------------------
+    if args.benchmark:
+        args.eval_every = args.save_every = 0
     use_compile = args.compile == "on" or (args.compile == "auto" and rt.device.type == "cuda")
     train_model = torch.compile(model) if use_compile and compile_works(rt.device) else model
     if rt.distributed:
@@ -238,8 +249,12 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         set_lr(optimizer, lr_multiplier(step, total_steps, warmup_steps, args.schedule))
         loss_sum = torch.zeros((), device=rt.device)
+        data_time = 0.0
         for micro in range(grad_accum):
+            t_data = time.perf_counter()
             inputs, targets, doc_pos = next(train_iter)
+            doc_pos = None if args.no_doc_masks else doc_pos
+            data_time += time.perf_counter() - t_data
             sync = micro == grad_accum - 1 or not rt.distributed
             with nullcontext() if sync else train_model.no_sync(), autocast(rt.device, rt.dtype):
                 loss = train_model(inputs, targets, doc_pos)
@@ -262,8 +277,12 @@ def main(argv: list[str] | None = None) -> None:
             warn0(f"step {step}: non-finite loss/gradient, step skipped ({skipped}/{args.skip_nonfinite})")
             step += 1
             continue
+        t_opt = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if args.benchmark and rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        opt_time = time.perf_counter() - t_opt
         step += 1
         tokens_seen += total_batch
         if rt.device.type == "cuda":
@@ -278,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
             lr=optimizer.param_groups[0]["lr"],
             tok_per_s=tok_per_s,
             step_time=dt,
+            data_time=data_time,
+            **({"optimizer_time": opt_time} if args.benchmark else {}),
             **({"mfu": mfu} if mfu is not None else {}),
         )
         if step % args.log_every == 0 or step == last_step:
@@ -295,6 +316,11 @@ def main(argv: list[str] | None = None) -> None:
             last_saved = step
         if step % 50 == 0:
             report.write()
+
+    if args.benchmark:
+        print0("benchmark " + json.dumps(benchmark_summary(report.history, rt, flops, peak, n_params)))
+        shutdown_runtime()
+        return
 
     # ---- end of run: save first, so an evaluation crash loses nothing ----------------------------------------
     if step != last_saved:
@@ -323,6 +349,32 @@ def main(argv: list[str] | None = None) -> None:
     if wandb_run:
         wandb_run.finish()
     shutdown_runtime()
+
+
+def benchmark_summary(history: list[dict], rt: object, flops: dict, peak: float | None, n_params: int) -> dict:
+    """Mean throughput and phase times over the steps after the first five (compilation and warm-up)."""
+    steps = [h for h in history if "step_time" in h][5:]
+    if not steps:
+        raise PPTError("--benchmark needs more than 5 steps; raise --max-steps")
+    mean = lambda key: sum(h[key] for h in steps) / len(steps)
+    step_time = mean("step_time")
+    tok_per_s = mean("tok_per_s")
+    summary = {
+        "params": n_params,
+        "steps_measured": len(steps),
+        "tok_per_s": tok_per_s,
+        "step_time_s": step_time,
+        "data_share": mean("data_time") / step_time,
+        "optimizer_share": mean("optimizer_time") / step_time,
+        "flops_per_token": flops["mfu"],
+        "flops_per_token_6n": flops["6n"],
+    }
+    if peak:
+        summary["mfu"] = flops["mfu"] * tok_per_s / (peak * rt.world_size)
+        summary["mfu_6n"] = flops["6n"] * tok_per_s / (peak * rt.world_size)
+    if torch.cuda.is_available():
+        summary["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return summary
 
 
 if __name__ == "__main__":

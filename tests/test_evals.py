@@ -195,15 +195,22 @@ def test_simple_evaluate_on_local_multiple_choice_and_rolling_tasks(tokenizer, t
 def test_run_benchmarks_reports_rows_in_percent(tokenizer, tmp_path):
     write_choice_task(demo_examples([" ".join(TEXTS)], n=8), tmp_path, "mc_a")
     write_choice_task(demo_examples([" ".join(TEXTS)], n=8, seed=3), tmp_path, "mc_b")
+    group = {"group": "mc_group", "task": ["mc_a", "mc_b"], "aggregate_metric_list": [{"metric": "acc"}]}
+    (tmp_path / "mc_group.yaml").write_text(json.dumps(group))
     manager = task_manager([tmp_path], include_defaults=False)
-    benchmarks = (Benchmark("Both", ("mc_a", "mc_b"), 0, "acc"), Benchmark("B few-shot", ("mc_b",), 2, "acc_norm"))
+    benchmarks = (
+        Benchmark("Both", ("mc_a", "mc_b"), 0, "acc"),
+        Benchmark("B few-shot", ("mc_b",), 2, "acc_norm"),
+        Benchmark("Group", ("mc_group",), 1, "acc"),
+    )
     check_tasks(manager, benchmarks)
     result = run_benchmarks(PPTLM(Bigram(tokenizer.vocab_size, 64), tokenizer), benchmarks, manager, bootstrap_iters=0)
     a, b = (result["tasks"][t]["metrics"]["acc"] for t in ("mc_a", "mc_b"))
     assert result["rows"]["Both"] == pytest.approx(100 * (a + b) / 2)
     assert result["tasks"]["mc_b"]["num_fewshot"] == 2 and result["tasks"]["mc_a"]["num_fewshot"] == 0
-    assert result["metrics"] == {"Both": "acc", "B few-shot": "acc_norm"}
-    assert result["avg"] == pytest.approx(sum(result["rows"].values()) / 2)
+    assert result["metrics"] == {"Both": "acc", "B few-shot": "acc_norm", "Group": "acc"}
+    assert 0 <= result["rows"]["Group"] <= 100 and result["tasks"]["mc_group"]["num_fewshot"] == 1
+    assert result["avg"] == pytest.approx(sum(result["rows"].values()) / 3)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -401,3 +408,20 @@ def test_checkpoint_model_is_registered_with_lm_eval(trained_run, tmp_path):
         pairs = [(sample["doc"]["context"], " " + choice) for choice in sample["doc"]["choices"]]
         expected = [lp for lp, _ in direct.loglikelihood(requests("loglikelihood", pairs))]
         assert [lp for lp, _ in sample["filtered_resps"]] == pytest.approx(expected, abs=1e-5)
+
+
+def test_unreachable_hub_points_to_local_tasks(tokenizer, tmp_path):
+    config = {
+        "task": "remote_choice",
+        "dataset_path": "ppt-tests/not-cached",
+        "output_type": "multiple_choice",
+        "test_split": "test",
+        "doc_to_text": "{{q}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": 0,
+    }
+    (tmp_path / "remote_choice.yaml").write_text(json.dumps(config))
+    manager = task_manager([tmp_path], include_defaults=False)
+    lm = PPTLM(Bigram(tokenizer.vocab_size), tokenizer)
+    with pytest.raises(PPTError, match="Hugging Face hub.*--include-path"):
+        run_benchmarks(lm, parse_tasks("remote_choice"), manager, bootstrap_iters=0)

@@ -1,0 +1,170 @@
+"""End-to-end training throughput: the real step (loader, forward, backward, optimizer, logging) on synthetic shards.
+
+    python -m scripts.bench_train --config smollm-360m --device-batch-size 16 --compile on,off
+    python -m scripts.bench_train --config multiscreen-d16 --seq-len 4096 --optimizer aurora --doc-masks on
+
+Each variant runs `scripts.base_train --benchmark` in a fresh process on a synthetic data directory (uniform random
+tokens, documents of exponentially distributed length separated by EOT, a byte-level vocabulary of the config's
+size), so the numbers need no download. Prints one markdown row per variant and writes them as JSON with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from ppt.data import shard_path, write_meta, write_shard
+from ppt.tokenizer import BYTE_LEVEL_ALPHABET, Tokenizer
+
+
+def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level vocabulary of exactly vocab_size entries: EOT, the 256 bytes, then two-byte tokens."""
+    alphabet = sorted(BYTE_LEVEL_ALPHABET)
+    vocab = {"<|endoftext|>": 0}
+    for token in itertools.chain(alphabet, (a + b for a in alphabet for b in alphabet)):
+        if len(vocab) == vocab_size:
+            break
+        vocab[token] = len(vocab)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|endoftext|>"])
+    return Tokenizer(backend, f"synthetic-{vocab_size}", is_demo=True)
+
+
+def write_synthetic_data(directory: Path, vocab_size: int, train_tokens: int, mean_doc_len: int, seed: int) -> None:
+    tokenizer = synthetic_tokenizer(vocab_size)
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", train_tokens), ("val", max(train_tokens // 16, 65_536))):
+        tokens = rng.integers(1, vocab_size, size=n, dtype=np.int64)
+        doc_ends = np.cumsum(rng.exponential(mean_doc_len, size=n // max(mean_doc_len // 4, 1)).astype(np.int64) + 1)
+        tokens[doc_ends[doc_ends < n]] = 0
+        tokens[0] = 0
+        write_shard(
+            shard_path(directory, split, 0),
+            tokens,
+            vocab_size=vocab_size,
+            eot_id=0,
+            fingerprint=tokenizer.fingerprint,
+            demo=True,
+            tokenizer_name=tokenizer.name,
+        )
+    tokenizer.save(directory)
+    write_meta(
+        directory,
+        {
+            "format": 1,
+            "source": "synthetic",
+            "tokenizer": {
+                "name": tokenizer.name,
+                "fingerprint": tokenizer.fingerprint,
+                "is_demo": True,
+                "vocab_size": vocab_size,
+                "eot_id": 0,
+            },
+        },
+    )
+
+
+def run_variant(base_args: list[str], extra: list[str], nproc: int) -> dict:
+    launcher = (
+        [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    )
+    cmd = [*launcher, "-m", "scripts.base_train", *base_args, *extra, "--benchmark"]
+    print("$", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("benchmark ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return {"error": f"exit {proc.returncode}"}
+    return json.loads(lines[-1].removeprefix("benchmark "))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="smollm-360m")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--device-batch-size", type=int, default=16)
+    p.add_argument("--total-batch-tokens", type=int, help="default: one device batch (no accumulation)")
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--steps", type=int, default=20, help="steps per variant; the first 5 are not measured")
+    p.add_argument("--compile", default="on", help="comma list of on/off")
+    p.add_argument("--doc-masks", default="on", help="comma list: on (document masking) / off (plain causal rows)")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs: more than 1 launches through torchrun (DDP)")
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--mean-doc-len", type=int, default=1024)
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    total_batch = args.total_batch_tokens or args.device_batch_size * args.seq_len * args.nproc
+    train_tokens = total_batch * (args.steps + 1) + args.seq_len * args.device_batch_size
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = Path(tmp) / "data"
+        write_synthetic_data(data_dir, args.vocab_size, train_tokens, args.mean_doc_len, seed=0)
+        base = [
+            "--config",
+            args.config,
+            "--data-dir",
+            str(data_dir),
+            "--seq-len",
+            str(args.seq_len),
+            "--device-batch-size",
+            str(args.device_batch_size),
+            "--total-batch-tokens",
+            str(total_batch),
+            "--optimizer",
+            args.optimizer,
+            "--max-steps",
+            str(args.steps),
+            "--target-tokens",
+            "1e12",
+            "--out-dir",
+            str(Path(tmp) / "out"),
+            "--log-every",
+            "5",
+        ]
+        for compile_mode, masks in itertools.product(args.compile.split(","), args.doc_masks.split(",")):
+            extra = ["--compile", compile_mode] + ([] if masks == "on" else ["--no-doc-masks"])
+            result = {
+                "config": args.config,
+                "compile": compile_mode,
+                "doc_masks": masks,
+                "seq_len": args.seq_len,
+                "device_batch": args.device_batch_size,
+                "total_batch": total_batch,
+                "optimizer": args.optimizer,
+                **run_variant(base, extra),
+            }
+            results.append(result)
+            print(format_row(result), flush=True)
+    print("\n| config | compile | doc masks | tok/s | MFU | MFU (6N) | step s | data | optimizer | peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(format_row(r))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+def format_row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r['config']} | {r['compile']} | {r['doc_masks']} | {r['error']} |"
+    pct = lambda key: f"{100 * r[key]:.1f}%" if key in r else "-"
+    return (
+        f"| {r['config']} | {r['compile']} | {r['doc_masks']} | {r['tok_per_s']:,.0f} | {pct('mfu')} | "
+        f"{pct('mfu_6n')} | {r['step_time_s']:.3f} | {pct('data_share')} | {pct('optimizer_share')} | "
+        f"{r.get('peak_memory_gb', 0):.1f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
