@@ -94,7 +94,7 @@ def write_shard(
     fingerprint: str,
     demo: bool,
     tokenizer_name: str = "",
-) -> ShardInfo:
+) -> None:
     """Write one shard atomically (temp file, then rename). The stream must start with EOT and fit the vocab."""
     path = Path(path)
     tokens = np.asarray(tokens)
@@ -127,17 +127,6 @@ def write_shard(
         name_bytes,
     ).ljust(HEADER_BYTES, b"\0")
     _atomic_write(path, [header, data])
-    return ShardInfo(
-        path,
-        tokens.size,
-        vocab_size,
-        eot_id,
-        token_dtype(vocab_size),
-        fingerprint,
-        name_bytes.decode("utf-8", errors="ignore"),
-        demo,
-        tokens_sha256.hex(),
-    )
 
 
 def _atomic_write(path: Path, chunks: list[bytes]) -> None:

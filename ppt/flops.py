@@ -359,6 +359,13 @@ def _as_bhtd(shape: torch.Size) -> tuple[int, int, int, int]:
     return math.prod(lead), h, t, d
 
 
+def _gqa_shapes(q: torch.Size, k: torch.Size, v: torch.Size) -> list[tuple[int, int, int, int]]:
+    """With grouped-query attention every query head still does a full score and value matmul: count K and V at
+    the query's head count (older torch flop formulas reject unequal head counts)."""
+    (b, h, t, d), (_, _, tk, dk), (_, _, _, dv) = _as_bhtd(q), _as_bhtd(k), _as_bhtd(v)
+    return [(b, h, t, d), (b, h, tk, dk), (b, h, tk, dv)]
+
+
 class _FusedAttention(torch.autograd.Function):
     """SDPA as one traced op with flash attention's costs. On meta, SDPA would run its math path instead: T x T
     scores in memory, many small ops, and a backward that FlopCounterMode does not count the way the GPU runs it."""
@@ -367,7 +374,7 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, trace: _Trace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):  # noqa: ANN001, ANN205
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # the row log-sum-exp flash saves for its backward
-        flops = sdpa_flop_count(_as_bhtd(q.shape), _as_bhtd(k.shape), _as_bhtd(v.shape))
+        flops = sdpa_flop_count(*_gqa_shapes(q.shape, k.shape, v.shape))
         operands = [t for t in (q, k, v, mask) if t is not None]
         trace.attention_flops += flops
         trace.op_name = "scaled_dot_product_attention"
@@ -381,7 +388,7 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, out, lse, *mask = ctx.saved_tensors
         grads = [torch.empty_like(t) for t in (q, k, v)]
         mask_grad = torch.empty_like(mask[0]) if ctx.has_mask and ctx.needs_input_grad[4] else None
-        shapes = (_as_bhtd(grad_out.shape), _as_bhtd(q.shape), _as_bhtd(k.shape), _as_bhtd(v.shape))
+        shapes = (_as_bhtd(grad_out.shape), *_gqa_shapes(q.shape, k.shape, v.shape))
         written = grads + ([mask_grad] if mask_grad is not None else [])
         ctx.trace.op_name = "scaled_dot_product_attention_backward"
         ctx.trace.record(

@@ -28,22 +28,8 @@ OFFLINE_HINT = (
 )
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE spells every byte as one printable character (GPT-2's table); map each back to its byte.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes take code points 256, 257, ... in byte order.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    char_to_byte = {chr(b): b for b in printable}
-    next_code_point = 256
-    for b in range(256):
-        if b not in printable:
-            char_to_byte[chr(next_code_point)] = b
-            next_code_point += 1
-    return char_to_byte
-
-
-BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+# Byte-level BPE spells each of the 256 bytes as one printable character, so a token's raw byte count is its length.
+BYTE_LEVEL_CHARS = frozenset(pre_tokenizers.ByteLevel.alphabet())
 
 
 class Tokenizer:
@@ -88,18 +74,18 @@ class Tokenizer:
                 f"tokenizer {self.name} is not a byte-level BPE (its decoder is not ByteLevel); ppt counts bytes per "
                 "token only for byte-level tokenizers such as cosmo2 or the demo BPE"
             )
-        counts = torch.zeros(self.vocab_size, dtype=torch.int32)
+        counts = [0] * self.vocab_size
         added = {tok.content: tok for tok in self.backend.get_added_tokens_decoder().values()}
         for token, token_id in self.backend.get_vocab(with_added_tokens=True).items():
             if token_id >= self.vocab_size:
                 raise PPTError(f"tokenizer {self.name} has id {token_id} >= its vocab size {self.vocab_size}")
             if token in added:  # added tokens are stored as plain text, not in the byte-level alphabet
                 counts[token_id] = 0 if added[token].special else len(token.encode("utf-8"))
-            elif all(ch in BYTE_LEVEL_ALPHABET for ch in token):
-                counts[token_id] = len(token)  # one alphabet character per raw byte
+            elif BYTE_LEVEL_CHARS.issuperset(token):
+                counts[token_id] = len(token)
             else:
                 raise PPTError(f"tokenizer {self.name}: token {token!r} is outside the byte-level alphabet")
-        return counts
+        return torch.tensor(counts, dtype=torch.int32)
 
     def save(self, directory: str | Path) -> Path:
         """Write `directory/tokenizer.json` atomically; returns its path."""

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                 "device_batch": args.device_batch_size,
                 "total_batch": total_batch,
                 "optimizer": args.optimizer,
-                **run_variant(base, extra),
+                **run_variant(base, extra, args.nproc),
             }
             results.append(result)
             print(format_row(result), flush=True)

@@ -38,15 +38,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tqdm import tqdm
 
 from ppt.common import PPTError
-from ppt.data import (
-    default_data_dir,
-    load_data_tokenizer,
-    read_meta,
-    shard_path,
-    token_dtype,
-    write_meta,
-)
-from ppt.data import write_shard as write_token_shard
+from ppt.data import default_data_dir, load_data_tokenizer, read_meta, shard_path, token_dtype, write_meta, write_shard
 from ppt.tokenizer import DEFAULT_TOKENIZER, Tokenizer, load_tokenizer, train_demo_tokenizer
 
 FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"
@@ -122,9 +114,10 @@ def _utf8_error(path: Path, byte_offset: int) -> PPTError:
 def _txt_documents(path: Path) -> Iterator[str]:
     data = path.read_bytes()
     try:
-        yield data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _utf8_error(path, exc.start) from exc
+    yield text
 
 
 def _jsonl_documents(path: Path) -> Iterator[str]:
@@ -217,7 +210,8 @@ _worker_tokenizer: Tokenizer | None = None
 
 def _init_worker(tokenizer_json: str, name: str) -> None:
     global _worker_tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it terminates the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and kill are the parent's to handle: it ends the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_tokenizer = Tokenizer(BackendTokenizer.from_str(tokenizer_json), name)
 
 
@@ -233,10 +227,12 @@ def worker_pool(tokenizer: Tokenizer, workers: int) -> Iterator[Pool | None]:
     On Linux the workers are forked (instant; spawning re-imports torch in each) so open the pool before the
     document source starts any threads. Each worker encodes single-threaded: the processes are the parallelism.
     """
+    # one thread per process, so --workers is the number of cores used (inherited by the workers; it also
+    # silences tokenizers' warning about forking after its thread pool ran)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if workers <= 1:
         yield None
         return
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # inherited by the workers; also silences the fork warning
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with context.Pool(workers, _init_worker, (tokenizer.backend.to_str(), tokenizer.name)) as pool:
         yield pool  # leaving the block terminates the workers, also when stopped early
@@ -346,7 +342,7 @@ class ShardWriter:
 
     def _write(self, split: str, index: int, array: np.ndarray, buffer: ShardBuffer) -> None:
         tok = self.tokenizer
-        write_token_shard(
+        write_shard(
             shard_path(self.out, split, index),
             array,
             vocab_size=tok.vocab_size,
@@ -356,11 +352,9 @@ class ShardWriter:
             tokenizer_name=tok.name,
         )
         counts = self.meta[split]
-        counts["shards"], counts["docs"], counts["tokens"] = (
-            counts["shards"] + 1,
-            counts["docs"] + buffer.docs,
-            counts["tokens"] + array.size,
-        )
+        counts["shards"] += 1
+        counts["docs"] += buffer.docs
+        counts["tokens"] += array.size
         self.meta["progress"]["docs_consumed"] += buffer.docs_consumed
         self.tokens_written += array.size
 
@@ -501,8 +495,13 @@ def prepare(args: argparse.Namespace) -> None:
     )
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    on_kill = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops as cleanly as Ctrl-C: the workers go too
     try:
         prepare(args)
     except PPTError as exc:
@@ -511,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; finished shards are kept, re-run the same command to resume", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, on_kill)
     return 0
 
 

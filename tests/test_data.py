@@ -141,18 +141,22 @@ def test_ranks_are_disjoint_and_cover_the_same_rows(make_token_dir):
 def test_state_dict_resumes_the_same_batches_across_an_epoch_boundary(make_token_dir):
     streams = [unique_stream(201, 1, 50), unique_stream(151, 3000, 50)]
     data_dir = make_token_dir({"train": streams}, 10_000)
-    loader = DataLoader(data_dir, "train", batch_size=3, seq_len=10, rank=1, world_size=2, seed=7)
+    make = lambda: DataLoader(data_dir, "train", batch_size=3, seq_len=10, rank=1, world_size=2, seed=7)
+    loader = make()
     assert loader.rows_per_rank == 17
     for _ in range(4):
         next(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    expected = [next(loader) for _ in range(6)]  # crosses into epoch 1
-    assert loader.epoch == 1
-    resumed = DataLoader(data_dir, "train", batch_size=3, seq_len=10, rank=1, world_size=2, seed=7)
-    resumed.load_state_dict(state)
-    for want, got in zip(expected, (next(resumed) for _ in range(6))):
-        for a, b in zip(want, got):
-            assert torch.equal(a, b)
+    saved_epochs = []
+    for _ in range(2):  # save mid epoch 0, then mid epoch 1; each round's batches cross an epoch boundary
+        state = json.loads(json.dumps(loader.state_dict()))
+        saved_epochs.append(state["epoch"])
+        expected = [next(loader) for _ in range(6)]
+        resumed = make()
+        resumed.load_state_dict(state)
+        for want, got in zip(expected, (next(resumed) for _ in range(6))):
+            for a, b in zip(want, got):
+                assert torch.equal(a, b)
+    assert saved_epochs == [0, 1] and loader.epoch == 2
     other_world = DataLoader(data_dir, "train", batch_size=3, seq_len=10, world_size=1, seed=7)
     with pytest.raises(PPTError, match="world_size=2"):
         other_world.load_state_dict(state)

@@ -75,13 +75,15 @@ def test_parquet_on_two_workers_matches_jsonl_on_one(tmp_path, tokenizer_path, m
     docs = make_docs()
     common = [*SIZES, "--tokenizer", str(tokenizer_path)]
     jsonl, parquet = tmp_path / "jsonl", tmp_path / "parquet"
-    assert main(["--source", str(write_jsonl(tmp_path / "c.jsonl", docs)), "--out", str(jsonl), *common]) == 0
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", docs)), "--out", str(jsonl), "--workers", "1"]
+    assert main([*argv, *common]) == 0
     pq.write_table(pa.table({"text": [*docs[:50], None, *docs[50:]]}), tmp_path / "c.parquet", row_group_size=32)
     argv = ["--source", str(tmp_path / "c.parquet"), "--out", str(parquet), "--workers", "2", *common]
     assert main(argv) == 0
     a, b = shard_bytes(jsonl), shard_bytes(parquet)
     assert [n for n in a if n.endswith(".bin")] == [n for n in b if n.endswith(".bin")]
     assert all(a[n] == b[n] for n in a if n.endswith(".bin"))
+    assert prepared_docs(parquet) == [d for d in docs if d]
 
 
 def test_demo_end_to_end_and_rerun_is_a_no_op(demo_data_dir, capsys):
