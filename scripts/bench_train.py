@@ -23,12 +23,12 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from ppt.data import shard_path, write_meta, write_shard
-from ppt.tokenizer import BYTE_LEVEL_ALPHABET, Tokenizer
+from ppt.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
 
 
 def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
     """A byte-level vocabulary of exactly vocab_size entries: EOT, the 256 bytes, then two-byte tokens."""
-    alphabet = sorted(BYTE_LEVEL_ALPHABET)
+    alphabet = sorted(BYTE_LEVEL_CHARS)
     vocab = {"<|endoftext|>": 0}
     for token in itertools.chain(alphabet, (a + b for a in alphabet for b in alphabet)):
         if len(vocab) == vocab_size:
