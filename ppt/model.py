@@ -224,6 +224,11 @@ def mipe(z: torch.Tensor, window: torch.Tensor, positions: torch.Tensor, window_
     return torch.cat((rotated, z[..., 2:]), dim=-1)
 
 
+def unit_rows(z: torch.Tensor) -> torch.Tensor:
+    """Normalize the last dim in fp32 but keep z's dtype: autocast would otherwise hand the kernel fp32 operands."""
+    return F.normalize(z.float(), dim=-1).to(z.dtype)
+
+
 def project_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (B, T, d) through per-head weights (H, out, d) -> (B, T, H, out), as one matmul."""
     H, out, d = weight.shape
@@ -270,9 +275,7 @@ class MultiscreenBlock(nn.Module):
     ) -> torch.Tensor:
         window = self.window()
         rho = 1 + torch.exp(-self.s_r.float())  # 1 / r with r = sigmoid(s_r): the trim multiplier
-        q = F.normalize(project_heads(x, self.w_q), dim=-1)
-        k = F.normalize(project_heads(x, self.w_k), dim=-1)
-        v = F.normalize(project_heads(x, self.w_v), dim=-1)
+        q, k, v = (unit_rows(project_heads(x, w)) for w in (self.w_q, self.w_k, self.w_v))
         q = mipe(q, window, positions, self.config.window_threshold).to(v.dtype)
         k = mipe(k, window, positions, self.config.window_threshold).to(v.dtype)
         h = screening(q, k, v, window, rho, meta)  # (B, T, H, dV): sum of alpha * m * v
