@@ -18,17 +18,24 @@ with a larger --shards adds shards.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
+import importlib
+import inspect
+import io
 import itertools
 import json
 import multiprocessing
 import os
+import pkgutil
 import signal
 import sys
 import time
+import types
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 from multiprocessing.pool import AsyncResult, Pool
 from pathlib import Path
@@ -97,11 +104,115 @@ def resolve_local_files(patterns: list[str]) -> list[Path]:
     return files
 
 
-def demo_documents() -> Iterator[str]:
+# Modules never imported for the demo corpus: they act on import (open a browser, print, start a GUI), are deprecated
+# shims whose content depends on what else is installed, or are test suites rather than documentation.
+DEMO_SKIP_MODULES = {"antigravity", "this", "idlelib", "turtle", "turtledemo", "lib2to3", "distutils", "pydoc_data"}
+DEMO_SKIP_PARTS = {"test", "tests", "idle_test"}
+MIN_DEMO_TEXT = 20  # characters: shorter docstrings and comments ("Return self==value.") carry little text
+
+
+def demo_documents() -> list[str]:
+    """The offline demo corpus: the text CPython's standard library ships, a few MB (about 1M tokens at vocab 4096).
+
+    First the `help()` topics of `pydoc_data.topics` (one document per topic; the val split is made of these), then
+    one document per public stdlib module in name order: the docstrings of the module and of its public classes,
+    functions and methods, headed by their names and parameter names, then the module source's comments. Each text
+    appears once. Deterministic for one Python build; built once per process (tokenizer training reads it again).
+    """
+    return list(_demo_corpus())
+
+
+@functools.cache
+def _demo_corpus() -> tuple[str, ...]:
     from pydoc_data.topics import topics  # the stdlib's help() text: always present, no network
 
-    for key in sorted(topics):
-        yield topics[key]
+    seen: set[str] = set()  # every text once: shared and inherited docstrings repeat across modules
+    modules = [_module_document(name, seen) for name in _stdlib_module_names()]
+    return tuple(topics[key] for key in sorted(topics)) + tuple(doc for doc in modules if doc)
+
+
+def _quiet_import(name: str) -> types.ModuleType | None:
+    """Import a stdlib module for its docstrings; None when it is missing on this platform or fails to import."""
+    try:
+        with warnings.catch_warnings(), redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")  # deprecated modules warn on import
+            return importlib.import_module(name)
+    except Exception:  # absent C extensions, other platforms' modules: skipped, the corpus is what imports here
+        return None
+
+
+def _stdlib_module_names() -> list[str]:
+    """Public stdlib modules and their public submodules that import here, sorted by name."""
+
+    def public(name: str) -> bool:
+        return not any(part.startswith("_") or part in DEMO_SKIP_PARTS for part in name.split("."))
+
+    found = []
+    pending = sorted(name for name in sys.stdlib_module_names if public(name) and name not in DEMO_SKIP_MODULES)
+    while pending:
+        name = pending.pop()
+        module = _quiet_import(name)
+        if module is None:
+            continue
+        found.append(name)
+        submodules = pkgutil.iter_modules(getattr(module, "__path__", []), prefix=f"{name}.")
+        pending += [info.name for info in submodules if public(info.name)]
+    return sorted(found)
+
+
+def _module_document(name: str, seen: set[str]) -> str:
+    """A module's docstrings, each under a `class`/`def` heading with parameter names, then its source comments."""
+    module = sys.modules[name]
+    parts = []
+
+    def add(heading: str, text: object) -> None:
+        if isinstance(text, str) and len(text := inspect.cleandoc(text)) >= MIN_DEMO_TEXT and text not in seen:
+            seen.add(text)
+            parts.append(f"{heading}\n{text}")
+
+    add(f"module {name}", module.__doc__)
+    for attr, obj in sorted(vars(module).items()):
+        if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
+            continue
+        add(f"{'class' if inspect.isclass(obj) else 'def'} {name}.{attr}{_parameters(obj)}", obj.__doc__)
+        if inspect.isclass(obj):
+            for member_name, member in sorted(vars(obj).items()):
+                is_documented_member = inspect.isroutine(member) or inspect.isdatadescriptor(member)
+                if is_documented_member and (member_name == "__init__" or not member_name.startswith("_")):
+                    add(f"def {attr}.{member_name}{_parameters(member)}", member.__doc__)
+    comments = _source_comments(getattr(module, "__file__", None), seen)
+    if comments:
+        parts.append("comments in the source of " + name + "\n" + "\n\n".join(comments))
+    return "\n\n".join(parts)
+
+
+def _parameters(obj: object) -> str:
+    """`(a, b, *args)`: parameter names only. Default values are left out: their reprs can hold anything, even the
+    process environment (a default of `os.environ`), which has no place in a corpus."""
+    try:
+        signature = inspect.signature(obj)
+    except Exception:  # builtins without a text signature, descriptors: no parameter list
+        return ""
+    bare = [p.replace(default=p.empty, annotation=p.empty) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=bare, return_annotation=signature.empty))
+
+
+def _source_comments(path: str | None, seen: set[str]) -> list[str]:
+    """Paragraphs of consecutive full-line `#` comments in a module's Python source."""
+    if not path or not path.endswith(".py"):
+        return []
+    paragraphs, block = [], []
+    for line in [*Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), ""]:
+        stripped = line.strip()
+        if stripped.startswith("#") and not stripped.startswith("#!"):
+            block.append(stripped.lstrip("#").strip())
+            continue
+        text = "\n".join(block).strip()
+        block = []
+        if len(text) >= MIN_DEMO_TEXT and text not in seen:
+            seen.add(text)
+            paragraphs.append(text)
+    return paragraphs
 
 
 def _utf8_error(path: Path, byte_offset: int) -> PPTError:

@@ -13,7 +13,7 @@ from ppt.common import PPTError
 from ppt.data import DataLoader
 from ppt.loss_eval import evaluate_bpb
 from ppt.model import LlamaConfig, build_model
-from ppt.tokenizer import BYTE_LEVEL_ALPHABET, train_demo_tokenizer
+from ppt.tokenizer import train_demo_tokenizer
 
 
 class FixedDistribution(nn.Module):
@@ -86,8 +86,21 @@ def partial_utf8_tokenizer():
     return train_demo_tokenizer([text * 20] * 5, vocab_size=300), text
 
 
+def byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level table, written out independently of ppt: printable Latin-1 bytes stand for themselves,
+    the other 68 take code points 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    for offset, b in enumerate(b for b in range(256) if b not in printable):
+        table[chr(256 + offset)] = b
+    return table
+
+
+BYTE_OF_CHAR = byte_level_chars()
+
+
 def token_raw_bytes(tokenizer, token_id: int) -> bytes:
-    return bytes(BYTE_LEVEL_ALPHABET[ch] for ch in tokenizer.backend.id_to_token(token_id))
+    return bytes(BYTE_OF_CHAR[ch] for ch in tokenizer.backend.id_to_token(token_id))
 
 
 def test_bytes_are_raw_utf8_bytes_even_for_partial_characters():
