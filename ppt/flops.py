@@ -472,6 +472,16 @@ class Cost:
         nbytes = self.bytes.get(row, {}).get(dtype, 0) if row else self.total("bytes", dtype)
         return flops / nbytes if flops and nbytes else None
 
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per-token FLOPs and bytes of each (pass, op class) row, all dtypes together: the run manifest's table."""
+        return {
+            " ".join(row): {
+                "flops": sum(self.flops.get(row, {}).values()) / self.tokens,
+                "bytes": sum(self.bytes.get(row, {}).values()) / self.tokens,
+            }
+            for row in self.rows()
+        }
+
     def __str__(self) -> str:
         flop_dtypes, byte_dtypes = self.dtypes("flops"), self.dtypes("bytes")
         float_dtypes = [d for d in flop_dtypes if d.is_floating_point]  # index arithmetic gets no intensity column
@@ -567,7 +577,7 @@ def mfu_flops_per_token(model: nn.Module, seq_len: int) -> dict[str, float]:
     """Training FLOPs per token for MFU, traced once (call at start-up, not every step).
 
     Returns {"mfu": the convention figure (6N + attention), "6n": 6N alone, "attention": the attention term,
-    "params_matmul": N}.
+    "params_matmul": N, "per_token": FLOPs and bytes per token by pass and op class}.
     """
     step = cost(model, batch_size=1, seq_len=seq_len)
     return {
@@ -575,6 +585,7 @@ def mfu_flops_per_token(model: nn.Module, seq_len: int) -> dict[str, float]:
         "6n": step.flops_per_token_6n,
         "attention": step.attention_flops_per_token,
         "params_matmul": step.params_matmul,
+        "per_token": step.summary(),
     }
 
 

@@ -240,3 +240,14 @@ def test_cli_prints_tables_and_rejects_bad_input(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", "no-such-config"])
     assert exit_info.value.code == 2
+
+
+def test_manifest_summary_adds_up_to_the_table():
+    model = build_model(get_config("tiny"))
+    model.init_weights()
+    step = cost(model, batch_size=2, seq_len=32)
+    summary = step.summary()
+    assert set(summary) == {" ".join(row) for row in step.rows()}
+    total_flops = sum(step.total("flops", d) for d in step.dtypes("flops"))
+    assert sum(r["flops"] for r in summary.values()) * step.tokens == pytest.approx(total_flops)
+    assert mfu_flops_per_token(model, 32)["per_token"].keys() == summary.keys()
