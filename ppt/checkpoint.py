@@ -1,8 +1,9 @@
 """Atomic checkpoints: model, optimizer, loader state, RNG states, step and config in one file per step.
 
 A checkpoint is `<dir>/step_<NNNNNNNN>.pt`, written to a temporary name and renamed, so a kill mid-write never
-leaves a file that looks complete. Loading uses `weights_only=True`: a checkpoint can hold only tensors and plain
-containers, never code. `latest_checkpoint` skips anything that is not a complete, loadable file.
+leaves a file that looks complete (the next save removes the temp file). Old checkpoints are pruned only after the
+new one is complete. Loading uses `weights_only=True`: a checkpoint can hold only tensors and plain containers,
+never code. `latest_checkpoint` skips anything that is not a complete, loadable file.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: i
             f"could not write checkpoint {final} ({exc.strerror or exc}); the previous checkpoint is untouched. "
             "Free disk space or pass a writable --out-dir, then resume with --resume auto"
         ) from exc
+    for stale in directory.glob("step_*.pt.tmp*"):  # left by a run killed mid-write; one writer per directory
+        stale.unlink(missing_ok=True)
     if keep > 0:
         for _, old in list_checkpoints(directory)[:-keep]:
             old.unlink(missing_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,3 +116,12 @@ def compile_works(device: torch.device) -> bool:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         warn0(f"torch.compile is unavailable here ({first_line}); running eager")
         return False
+
+
+def run_cli(main: Callable[[], object]) -> None:
+    """A script's entry point: a PPTError becomes one `error:` line on stderr and exit status 2, not a traceback."""
+    try:
+        main()
+    except PPTError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

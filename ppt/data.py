@@ -38,7 +38,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import struct
+import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,11 +264,154 @@ def dataset_fingerprint(data_dir: str | Path) -> str:
 # ---- the loader --------------------------------------------------------------------------------------------------
 
 
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # inputs int64 (B,T), targets int64 (B,T), doc_pos int32
+
+
+class _RowSource:
+    """One rank's rows in epoch order, and the host batches built from them: all that the prefetch thread uses.
+
+    It holds no reference to the DataLoader, so a loader dropped while its thread runs can still be collected.
+    """
+
+    def __init__(
+        self,
+        tokens: list[np.memmap],
+        seq_len: int,
+        eot_id: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        pin_memory: bool,
+    ) -> None:
+        self.tokens, self.seq_len, self.eot_id = tokens, seq_len, eot_id
+        self.rank, self.world_size, self.seed, self.pin_memory = rank, world_size, seed, pin_memory
+        self.rows_per_shard = np.array([(t.size - 1) // seq_len for t in tokens], dtype=np.int64)
+        self.rows_per_rank = int(self.rows_per_shard.sum()) // world_size
+        self._file_order = (np.arange(len(tokens)), np.cumsum(self.rows_per_shard))
+        self._layout: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative rows)
+        self._row_perm: tuple[int, np.ndarray] | None = None  # (shard, its row order this epoch): ranks move forward
+
+    def locate(self, epoch: int, global_row: int, shuffle: bool) -> tuple[int, int]:
+        """(shard index, row inside that shard) of an epoch's global row number."""
+        if not shuffle:
+            order, row_ends = self._file_order
+        else:
+            if self._layout is None or self._layout[0] != epoch:
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.tokens))
+                self._layout, self._row_perm = (epoch, order, np.cumsum(self.rows_per_shard[order])), None
+            _, order, row_ends = self._layout
+        slot = int(np.searchsorted(row_ends, global_row, side="right"))
+        shard = int(order[slot])
+        local = global_row - (int(row_ends[slot - 1]) if slot else 0)
+        if not shuffle:
+            return shard, local
+        if self._row_perm is None or self._row_perm[0] != shard:
+            rng = np.random.default_rng([self.seed, epoch, shard])
+            self._row_perm = (shard, rng.permutation(int(self.rows_per_shard[shard])))
+        return shard, int(self._row_perm[1][local])
+
+    def next_batch(self, batch_size: int, epoch: int, position: int, shuffle: bool) -> tuple[Batch, int, int]:
+        """The batch at cursor (epoch, position) in this rank's rows, and the cursor after it."""
+        locations = []
+        for _ in range(batch_size):
+            if position == self.rows_per_rank:
+                epoch, position = epoch + 1, 0
+            locations.append(self.locate(epoch, position * self.world_size + self.rank, shuffle))
+            position += 1
+        return self.build(locations), epoch, position
+
+    def build(self, locations: list[tuple[int, int]]) -> Batch:
+        """A host batch from (shard, row) pairs, gathered straight into its output tensors (pinned for CUDA)."""
+        B, T = len(locations), self.seq_len
+        inputs = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin_memory)
+        targets = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin_memory)
+        doc_pos = torch.empty((B, T), dtype=torch.int32, pin_memory=self.pin_memory)
+        x, y = inputs.numpy(), targets.numpy()
+        for i, (shard, row) in enumerate(locations):
+            tokens = self.tokens[shard][row * T : row * T + T + 1]
+            x[i], y[i] = tokens[:-1], tokens[1:]
+        positions = np.arange(T)
+        # the latest document start at or before each position: an EOT, else the row start (position 0)
+        last_start = np.maximum.accumulate(np.where(x == self.eot_id, positions, 0), axis=1)
+        np.subtract(positions, last_start, out=doc_pos.numpy(), casting="unsafe")
+        return inputs, targets, doc_pos
+
+
+class _Prefetcher:
+    """A daemon thread that builds the batches after a cursor, in order, up to `depth` ahead of the consumer.
+
+    Each item carries the cursor after its batch, so the consumer's state is what it has received. A failure in the
+    thread is raised by `get`. `close` (also run when the owning loader is collected) stops the thread.
+    """
+
+    POLL_S = 0.1  # how often a thread blocked on a full queue checks whether it should stop
+
+    def __init__(
+        self,
+        source: _RowSource,
+        batch_size: int,
+        epoch: int,
+        position: int,
+        shuffle: bool,
+        depth: int,
+        device: torch.device,
+    ) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        args = (source, batch_size, epoch, position, shuffle, device, self._queue, self._stop)
+        self._thread = threading.Thread(target=_Prefetcher._run, args=args, name="ppt-prefetch", daemon=True)
+        self._thread.start()
+
+    def get(self) -> tuple[Batch, int, int]:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    @staticmethod
+    def _run(
+        source: _RowSource,
+        batch_size: int,
+        epoch: int,
+        position: int,
+        shuffle: bool,
+        device: torch.device,
+        out: queue.Queue,
+        stop: threading.Event,
+    ) -> None:
+        def put(item: object) -> bool:
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=_Prefetcher.POLL_S)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread: pin memory in this rank's context
+            while True:
+                batch, epoch, position = source.next_batch(batch_size, epoch, position, shuffle)
+                if not put((batch, epoch, position)):
+                    return
+        except BaseException as exc:  # the consumer raises it from next()
+            put(exc)
+
+
 class DataLoader:
     """Infinite iterator of `(inputs int64 (B,T), targets int64 (B,T), doc_pos int32 (B,T))` for one rank.
 
     `split="train"` shuffles per epoch; `split="val"` keeps file order (use `val_batches` for a fixed budget).
-    `state_dict()` is the same on every rank, so resuming from rank 0's state resumes all ranks exactly.
+    A background thread builds the next `prefetch` batches (gather from the memory-mapped shards, doc_pos, pinned
+    host memory on CUDA) while the model computes; `next()` only copies one to the device, asynchronously.
+    `prefetch=0` builds each batch in `next()` instead. `state_dict()` describes the batches `next()` has returned,
+    not those prefetched, and is the same on every rank, so resuming from rank 0's state resumes all ranks exactly.
     """
 
     def __init__(
@@ -279,20 +425,23 @@ class DataLoader:
         seed: int = 0,
         device: str | torch.device = "cpu",
         expected_fingerprint: str | None = None,
+        prefetch: int = 2,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
         if not 0 <= rank < world_size:
             raise PPTError(f"rank {rank} is outside world size {world_size}")
+        if prefetch < 0:
+            raise PPTError(f"prefetch is a number of batches, at least 0, got {prefetch}")
         self.data_dir = Path(data_dir)
         self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.device = torch.device(device)
         self.shuffle = split == "train"
+        self.prefetch = prefetch
 
         shards = [read_shard(p, expected_fingerprint) for p in list_shards(self.data_dir, split)]
         self.infos = [info for info, _ in shards]
-        self.tokens = [tokens for _, tokens in shards]
         first = self.infos[0]
         for info in self.infos[1:]:
             if (info.tokenizer_fingerprint, info.eot_id) != (first.tokenizer_fingerprint, first.eot_id):
@@ -303,19 +452,19 @@ class DataLoader:
         self.eot_id = first.eot_id
         self.vocab_size = first.vocab_size
         self.tokenizer_fingerprint = first.tokenizer_fingerprint
-        self.rows_per_shard = np.array([(info.num_tokens - 1) // seq_len for info in self.infos], dtype=np.int64)
-        self.total_rows = int(self.rows_per_shard.sum())
-        self.rows_per_rank = self.total_rows // world_size
+        pin_memory = self.device.type == "cuda"  # page-locked host memory: the copy to the GPU runs asynchronously
+        self._source = _RowSource([t for _, t in shards], seq_len, self.eot_id, rank, world_size, seed, pin_memory)
+        self.total_rows = int(self._source.rows_per_shard.sum())
+        self.rows_per_rank = self._source.rows_per_rank
         if self.rows_per_rank == 0:
             total = sum(info.num_tokens for info in self.infos)
             raise PPTError(
                 f"the {split} split of {self.data_dir} has {total} tokens, too few for one row of seq_len {seq_len} "
                 f"per rank ({world_size} ranks); lower seq_len or prepare more data"
             )
-        self.epoch, self.position = 0, 0  # position: index into this rank's rows of the current epoch
-        self._file_order = (np.arange(len(self.infos)), np.cumsum(self.rows_per_shard))
-        self._layout: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative rows)
-        self._row_perm: tuple[int, np.ndarray] | None = None  # (shard, its row order this epoch): ranks move forward
+        self.epoch, self.position = 0, 0  # the cursor after the last batch returned: an index into this rank's rows
+        self._prefetcher: _Prefetcher | None = None
+        self._stop_on_collect: weakref.finalize | None = None
 
     @property
     def tokens_per_epoch(self) -> int:
@@ -325,58 +474,39 @@ class DataLoader:
     def fingerprint(self) -> str:
         return dataset_fingerprint(self.data_dir)
 
-    # -- order
-
-    def _locate(self, epoch: int, global_row: int, shuffle: bool) -> tuple[int, int]:
-        """(shard index, row inside that shard) of an epoch's global row number."""
-        if not shuffle:
-            order, row_ends = self._file_order
-        else:
-            if self._layout is None or self._layout[0] != epoch:
-                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.infos))
-                self._layout, self._row_perm = (epoch, order, np.cumsum(self.rows_per_shard[order])), None
-            _, order, row_ends = self._layout
-        slot = int(np.searchsorted(row_ends, global_row, side="right"))
-        shard = int(order[slot])
-        local = global_row - (int(row_ends[slot - 1]) if slot else 0)
-        if not shuffle:
-            return shard, local
-        if self._row_perm is None or self._row_perm[0] != shard:
-            rng = np.random.default_rng([self.seed, epoch, shard])
-            self._row_perm = (shard, rng.permutation(int(self.rows_per_shard[shard])))
-        return shard, int(self._row_perm[1][local])
-
-    def _batch(self, locations: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Build a batch from (shard, row) pairs."""
-        T = self.seq_len
-        rows = np.stack([self.tokens[shard][row * T : row * T + T + 1] for shard, row in locations]).astype(np.int64)
-        inputs, targets = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
-        positions = np.arange(T)
-        # the latest document start at or before each position: an EOT, else the row start (position 0)
-        last_start = np.maximum.accumulate(np.where(inputs == self.eot_id, positions, 0), axis=1)
-        doc_pos = (positions - last_start).astype(np.int32)
-        return self._to_device(inputs), self._to_device(targets), self._to_device(doc_pos)
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor.to(self.device)
-
     # -- iteration and resume
 
     def __iter__(self) -> DataLoader:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        locations = []
-        for _ in range(self.batch_size):
-            if self.position == self.rows_per_rank:
-                self.epoch, self.position = self.epoch + 1, 0
-            global_row = self.position * self.world_size + self.rank
-            locations.append(self._locate(self.epoch, global_row, self.shuffle))
-            self.position += 1
-        return self._batch(locations)
+    def __next__(self) -> Batch:
+        if self.prefetch == 0:
+            batch, self.epoch, self.position = self._source.next_batch(
+                self.batch_size, self.epoch, self.position, self.shuffle
+            )
+        else:
+            if self._prefetcher is None:
+                self._prefetcher = _Prefetcher(
+                    self._source, self.batch_size, self.epoch, self.position, self.shuffle, self.prefetch, self.device
+                )
+                self._stop_on_collect = weakref.finalize(self, self._prefetcher.close)
+                self._stop_on_collect.atexit = False  # a daemon thread ends with the interpreter anyway
+            try:
+                batch, self.epoch, self.position = self._prefetcher.get()
+            except BaseException:  # the thread's error, or Ctrl-C while waiting: no thread outlives it
+                self.close()
+                raise
+        return self._to_device(batch)
+
+    def _to_device(self, batch: Batch) -> Batch:
+        inputs, targets, doc_pos = (t.to(self.device, non_blocking=True) for t in batch)
+        return inputs, targets, doc_pos
+
+    def close(self) -> None:
+        """Stop the prefetch thread (the next `next()` starts it again from the current state)."""
+        if self._stop_on_collect is not None:
+            self._stop_on_collect()  # runs the prefetcher's close once, and no longer at collection
+        self._prefetcher = self._stop_on_collect = None
 
     def state_dict(self) -> dict[str, int | str]:
         return {
@@ -401,9 +531,10 @@ class DataLoader:
                 f"{self.data_dir} changed since the loader state was saved ({state['total_rows']} rows, now "
                 f"{self.total_rows}); the resumed batch order will differ from an uninterrupted run"
             )
+        self.close()  # batches prefetched from the old position are dropped
         self.epoch, self.position = int(state["epoch"]), min(int(state["position"]), self.rows_per_rank)
 
-    def val_batches(self, max_tokens: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def val_batches(self, max_tokens: int) -> Iterator[Batch]:
         """The first `max_tokens` input tokens of the split (summed over ranks) in file order, this rank's share.
 
         Every rank yields the same number of batches; the last may hold fewer than `batch_size` rows.
@@ -417,4 +548,5 @@ class DataLoader:
             )
         for start in range(0, rows_each, self.batch_size):
             stop = min(start + self.batch_size, rows_each)
-            yield self._batch([self._locate(0, k * self.world_size + self.rank, False) for k in range(start, stop)])
+            rows = [self._source.locate(0, k * self.world_size + self.rank, False) for k in range(start, stop)]
+            yield self._to_device(self._source.build(rows))

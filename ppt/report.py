@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ppt.common import PPTError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -79,10 +81,17 @@ class RunReport:
             return
         payload = json.dumps({**self.data, "history": self.history}, indent=1, default=str)
         for path in self.paths:
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(payload)
-            os.replace(tmp, path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(payload)
+                os.replace(tmp, path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise PPTError(
+                    f"could not write the run manifest {path} ({exc.strerror or exc}); the previous version is "
+                    "untouched. Free disk space, then resume with --resume auto"
+                ) from exc
 
     def plot(self, path: Path) -> Path | None:
         """Train loss (and val bpb where measured) against tokens seen; None when there is nothing to plot."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ppt.common import PPTError, init_runtime, print0, shutdown_runtime
+from ppt.common import PPTError, init_runtime, print0, run_cli, shutdown_runtime
 from ppt.data import DataLoader, list_shards, read_shard
 from ppt.loss_eval import evaluate_bpb
 from ppt.tokenizer import Tokenizer
@@ -197,8 +196,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except PPTError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -20,7 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ppt import checkpoint as ckpt
-from ppt.common import PPTError, cache_dir, compile_works, init_runtime, print0, shutdown_runtime, warn0
+from ppt.common import PPTError, cache_dir, compile_works, init_runtime, print0, run_cli, shutdown_runtime, warn0
 from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
 from ppt.flops import mfu_flops_per_token, peak_flops
 from ppt.loss_eval import autocast, evaluate_bpb
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     if rt.is_master:
         ckpt.ensure_writable(out_dir, needed_bytes=n_params * 4 * 3)
     config_dict = {"class": type(config).__name__, **dataclasses.asdict(config)}
-    start_step, tokens_seen, history = 0, 0, []
+    start_step, tokens_seen, history, skipped = 0, 0, [], 0
     resume_path = None
     if args.resume == "auto":
         resume_path = ckpt.latest_checkpoint(out_dir)
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         train_loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
         start_step, tokens_seen, history = state["step"], state["tokens"], state.get("history", [])
+        skipped = state.get("skipped_nonfinite_steps", 0)  # the --skip-nonfinite budget spans restarts
         print0(f"resumed from {resume_path} at step {start_step}")
 
     # ---- compile and DDP --------------------------------------------------------------------------------------
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
                 "rng": ckpt.rng_state(),
                 "tokens": tokens_seen,
                 "history": report.history,
+                "skipped_nonfinite_steps": skipped,
                 "tokenizer_fingerprint": tokenizer.fingerprint,
             }
             path = ckpt.save_checkpoint(out_dir, step, payload, keep=args.keep)
@@ -241,7 +243,6 @@ def main(argv: list[str] | None = None) -> None:
         return result
 
     # ---- the loop ---------------------------------------------------------------------------------------------
-    skipped = 0
     step = start_step
     train_iter = iter(train_loader)
     last_saved = start_step
@@ -271,10 +272,10 @@ def main(argv: list[str] | None = None) -> None:
             if skipped > args.skip_nonfinite:
                 save_note = f"the last good checkpoint is {ckpt.latest_checkpoint(out_dir) or 'none (no save yet)'}"
                 raise PPTError(
-                    f"non-finite loss/gradient at step {step} (loss {loss_value}); {save_note}. "
+                    f"non-finite loss/gradient at step {step + 1} (loss {loss_value}); {save_note}. "
                     "Lower --lr, or pass --skip-nonfinite N to skip such steps"
                 )
-            warn0(f"step {step}: non-finite loss/gradient, step skipped ({skipped}/{args.skip_nonfinite})")
+            warn0(f"step {step + 1}: non-finite loss/gradient, step skipped ({skipped}/{args.skip_nonfinite})")
             step += 1
             continue
         t_opt = time.perf_counter()
@@ -378,8 +379,4 @@ def benchmark_summary(history: list[dict], rt: object, flops: dict, peak: float 
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except PPTError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from ppt.common import run_cli
 from ppt.data import shard_path, write_meta, write_shard
 from ppt.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
 
@@ -167,4 +168,4 @@ def format_row(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
-from ppt.common import PPTError
+from ppt.common import PPTError, run_cli
 from ppt.tokenizer import EOT_TOKEN, Tokenizer
 from scripts.model_io import load_run, load_tokenizer_for
 
@@ -177,8 +176,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except PPTError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ppt.common import PPTError, autodetect_device, autodetect_dtype, warn0
+from ppt.common import PPTError, autodetect_device, autodetect_dtype, run_cli, warn0
 from scripts.model_io import build_from_checkpoint, load_run, load_tokenizer_for
 
 try:  # the eval extra: say how to install it rather than show a traceback
@@ -86,8 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except PPTError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -12,7 +12,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ppt.common import init_runtime
+from ppt.common import init_runtime, run_cli
 from ppt.loss_eval import autocast
 from ppt.model import build_model, get_config
 from ppt.optim import build_optimizer
@@ -59,4 +59,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

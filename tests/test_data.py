@@ -1,9 +1,13 @@
+import gc
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from ppt import data
 from ppt.common import PPTError
 from ppt.data import HEADER_BYTES, DataLoader, dataset_fingerprint, read_shard, write_shard
 
@@ -160,6 +164,84 @@ def test_state_dict_resumes_the_same_batches_across_an_epoch_boundary(make_token
     other_world = DataLoader(data_dir, "train", batch_size=3, seq_len=10, world_size=1, seed=7)
     with pytest.raises(PPTError, match="world_size=2"):
         other_world.load_state_dict(state)
+
+
+def assert_same_batches(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def wait_for(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_resume_is_exact_while_the_prefetcher_runs_ahead(make_token_dir):
+    data_dir = make_token_dir({"train": [unique_stream(201, 1, 50), unique_stream(151, 3000, 50)]}, 10_000)
+    make = lambda prefetch: DataLoader(data_dir, "train", batch_size=3, seq_len=10, seed=7, prefetch=prefetch)
+    reference = make(0)  # built in next(), no thread: the order everything must match
+    expected, states = [], [reference.state_dict()]
+    for _ in range(30):  # 90 rows: past two epoch boundaries (35 rows each)
+        expected.append(next(reference))
+        states.append(reference.state_dict())
+
+    loader = make(4)
+    assert_same_batches([next(loader) for _ in range(5)], expected[:5])
+    wait_for(lambda: loader._prefetcher._queue.full())  # 4 batches built beyond the 5 returned
+    assert loader.state_dict() == states[5]  # the state counts what was returned, not what was prefetched
+    resumed = make(4)
+    resumed.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+    assert_same_batches([next(resumed) for _ in range(25)], expected[5:])
+    assert_same_batches([next(loader) for _ in range(10)], expected[5:15])
+    # loading a state into a running loader drops what it prefetched and rewinds
+    wait_for(lambda: loader._prefetcher._queue.full())
+    loader.load_state_dict(states[2])
+    assert_same_batches([next(loader) for _ in range(4)], expected[2:6])
+    assert loader.state_dict() == states[6]
+
+
+def prefetch_thread_of(loader):
+    before = set(threading.enumerate())
+    batch = next(loader)
+    (thread,) = set(threading.enumerate()) - before
+    return thread, batch
+
+
+def test_prefetch_thread_is_a_daemon_that_stops_on_close_collection_and_error(make_token_dir, monkeypatch):
+    data_dir = make_token_dir({"train": [unique_stream(201, 1, 50)]}, 10_000)
+    loader = DataLoader(data_dir, "train", batch_size=2, seq_len=10, prefetch=2)
+    thread, _ = prefetch_thread_of(loader)
+    assert thread.daemon and thread.is_alive()
+    loader.close()
+    assert not thread.is_alive()
+    thread, _ = prefetch_thread_of(loader)  # next() after close starts a new one where the last batch ended
+    assert loader.state_dict()["position"] == 4
+    del loader
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()  # a dropped loader does not leave its thread blocked on a full queue
+
+    build = data._RowSource.build
+    calls = []
+
+    def failing_build(self, locations):
+        calls.append(locations)
+        if len(calls) == 3:
+            raise OSError("disk went away")
+        return build(self, locations)
+
+    monkeypatch.setattr(data._RowSource, "build", failing_build)
+    loader = DataLoader(data_dir, "train", batch_size=2, seq_len=10, prefetch=2)
+    thread, _ = prefetch_thread_of(loader)
+    next(loader)
+    with pytest.raises(OSError, match="disk went away"):
+        next(loader)
+    thread.join(timeout=5)
+    assert not thread.is_alive() and loader.state_dict()["position"] == 4
+    with pytest.raises(PPTError, match="prefetch"):
+        DataLoader(data_dir, "train", batch_size=2, seq_len=10, prefetch=-1)
 
 
 def test_val_batches_fixed_order_and_budget(make_token_dir):

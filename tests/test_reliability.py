@@ -1,0 +1,508 @@
+"""Nothing is lost under kills, faults and bad input.
+
+Training runs here use the `tiny` config on the demo shards: 12 steps of 2 x 2 rows of 32 tokens, a checkpoint every
+4 steps. A run interrupted any way we know (SIGKILL, SIGTERM, SIGINT, --max-steps) and resumed with `--resume auto`
+must reproduce the uninterrupted run's losses and final weights bit for bit. Divergence, a full disk and bad
+command-line input stop with a message naming the problem and the fix (exit status 2 from the scripts); checkpoints
+and shards never execute code; importing ppt touches no network; wandb stays off unless asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppt import checkpoint as ckpt
+from ppt.common import PPTError
+from ppt.data import read_shard, write_shard
+from ppt.model import build_model, get_config
+from ppt.report import RunReport
+from scripts import base_train
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STEPS, SAVE_EVERY, BATCH_TOKENS = 12, 4, 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny steps gain nothing from threads, and on a shared 2-core machine spinning threads slow everyone down;
+    the SIGKILL test's child runs single-threaded too (OMP_NUM_THREADS), so it computes bit for bit the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_argv(data_dir: Path, out_dir: Path, tag: str, *extra: str) -> list[str]:
+    return [
+        "--config", "tiny", "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--tag", tag,
+        "--seq-len", "32", "--total-batch-tokens", str(BATCH_TOKENS), "--device-batch-size", "2",
+        "--target-tokens", str(STEPS * BATCH_TOKENS), "--warmup-tokens", str(2 * BATCH_TOKENS),
+        "--eval-every", "0", "--eval-tokens", "128", "--save-every", str(SAVE_EVERY), "--keep", "2",
+        "--compile", "off", "--device", "cpu", *extra,
+    ]  # fmt: skip
+
+
+def train(argv: list[str]) -> None:
+    """base_train in-process; its SIGTERM/SIGINT handlers are put back afterwards so pytest's Ctrl-C still works."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        base_train.main(argv)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def manifest(out_dir: Path, tag: str) -> dict:
+    return json.loads((out_dir / f"{tag}.json").read_text())
+
+
+def trajectory(history: list[dict]) -> list[tuple]:
+    """What must not change when a run is interrupted: per-step loss, LR and tokens, and the val results."""
+    train_rows = [(h["step"], h["tokens"], h["loss"], h["lr"]) for h in history if "loss" in h]
+    val_rows = [(h["step"], h["val_nll"], h["val_bpb"]) for h in history if "val_nll" in h]
+    return train_rows + val_rows
+
+
+def assert_same_weights(checkpoint_a: Path, checkpoint_b: Path) -> None:
+    a, b = ckpt.load_checkpoint(checkpoint_a)["model"], ckpt.load_checkpoint(checkpoint_b)["model"]
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"weights differ from the uninterrupted run: {different}"
+
+
+@dataclasses.dataclass
+class Reference:
+    trajectory: list[tuple]
+    final_checkpoint: Path
+    wandb_imported: bool
+
+
+@pytest.fixture(scope="module")
+def reference(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The uninterrupted run every interrupted one must reproduce (in-process, without --run)."""
+    cache = tmp_path_factory.mktemp("reference_cache")
+    out = cache / "checkpoints"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PPT_CACHE", str(cache))
+        mp.delitem(sys.modules, "wandb", raising=False)  # so an import by this run would show
+        train(train_argv(demo_data_dir, out, "reference"))
+        wandb_imported = "wandb" in sys.modules
+    return Reference(
+        trajectory(manifest(out, "reference")["history"]), ckpt.checkpoint_path(out, STEPS), wandb_imported
+    )
+
+
+def assert_matches_reference(reference: Reference, out_dir: Path, tag: str) -> None:
+    data = manifest(out_dir, tag)
+    assert data["steps_done"] == STEPS
+    assert trajectory(data["history"]) == reference.trajectory
+    assert_same_weights(ckpt.checkpoint_path(out_dir, STEPS), reference.final_checkpoint)
+
+
+# ---- 1 and 2: kills, signals and early stops, then --resume auto ------------------------------------------------
+
+
+def test_sigkill_at_a_random_step_then_resume_reproduces_the_uninterrupted_run(
+    reference, demo_data_dir, tmp_path, capsys
+):
+    kill_after = random.randint(SAVE_EVERY + 1, STEPS - 3)  # past the first checkpoint, before the end
+    out = tmp_path / "checkpoints"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.base_train", *train_argv(demo_data_dir, out, "killed")],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watchdog = threading.Timer(120, proc.kill)  # a hung child fails the test instead of hanging it
+    watchdog.start()
+    log = []
+    for line in proc.stdout:
+        log.append(line)
+        if line.startswith(f"step {kill_after:6d}/"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    log.append(proc.stdout.read())
+    proc.wait()
+    watchdog.cancel()
+    assert proc.returncode == -signal.SIGKILL, f"not killed after step {kill_after}:\n{''.join(log)}"
+
+    # a later kill in the middle of a write leaves a temp file and possibly a truncated step file: both are skipped
+    last_complete = ckpt.latest_checkpoint(out)
+    assert last_complete is not None and ckpt.load_checkpoint(last_complete)["step"] >= SAVE_EVERY
+    step = ckpt.load_checkpoint(last_complete)["step"]
+    ckpt.checkpoint_path(out, step + 1).write_bytes(last_complete.read_bytes()[:2000])
+    (out / f"step_{step + 2:08d}.pt.tmp4242").write_bytes(b"half a checkpoint")
+
+    train(train_argv(demo_data_dir, out, "killed", "--resume", "auto"))
+    printed = capsys.readouterr().out
+    print(f"killed after step {kill_after}")  # shown if what follows fails
+    assert f"resumed from {last_complete} at step {step}" in printed
+    assert_matches_reference(reference, out, "killed")
+    assert not list(out.glob("*.tmp*"))  # the first save after the restart removed the killed write's leftovers
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "max-steps"])
+def test_signals_and_max_steps_save_then_resume_reproduces_the_uninterrupted_run(
+    stop, reference, demo_data_dir, tmp_path, capsys
+):
+    stop_at = SAVE_EVERY + 2  # not a save boundary: the stop itself must save
+    out = tmp_path / "checkpoints"
+    if stop == "max-steps":
+        train(train_argv(demo_data_dir, out, "stopped", "--max-steps", str(stop_at)))
+        assert manifest(out, "stopped")["train"]["steps"] == STEPS  # the schedule is the full run's
+    else:
+        sig = getattr(signal, stop)
+        log_step = RunReport.log_step
+
+        def signal_after_step(self: RunReport, **metrics: float) -> None:
+            log_step(self, **metrics)
+            if metrics.get("step") == stop_at and "loss" in metrics:
+                os.kill(os.getpid(), sig)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(RunReport, "log_step", signal_after_step)
+            with pytest.raises(SystemExit) as stopped:
+                train(train_argv(demo_data_dir, out, "stopped"))
+        assert stopped.value.code == 128 + sig
+        assert f"stopped by signal {int(sig)} at step {stop_at}; resume with --resume auto" in capsys.readouterr().out
+        assert manifest(out, "stopped")["stopped_at"] == stop_at
+    assert ckpt.latest_checkpoint(out) == ckpt.checkpoint_path(out, stop_at)
+
+    train(train_argv(demo_data_dir, out, "stopped", "--resume", "auto"))
+    assert_matches_reference(reference, out, "stopped")
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [8, 12]  # --keep 2
+
+
+# ---- 4: NaN/inf ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip_budget", [0, 2])
+def test_divergence_stops_naming_the_step_and_the_last_good_checkpoint(skip_budget, demo_data_dir, tmp_path, capsys):
+    """--lr 1e6 blows the weights up in one AdamW step; the next gradient overflows."""
+    out = tmp_path / "checkpoints"
+    argv = train_argv(demo_data_dir, out, "diverged", "--lr", "1e6", "--save-every", "1")
+    with pytest.raises(PPTError) as diverged:
+        train([*argv, "--skip-nonfinite", str(skip_budget)])
+    found = re.fullmatch(
+        r"non-finite loss/gradient at step (\d+) \(loss .*\); the last good checkpoint is (\S+)\. "
+        r"Lower --lr, or pass --skip-nonfinite N to skip such steps",
+        str(diverged.value),
+    )
+    assert found, str(diverged.value)
+    bad_step, good = int(found.group(1)), Path(found.group(2))
+    captured = capsys.readouterr()
+    assert captured.err.count("non-finite loss/gradient, step skipped") == skip_budget
+    state = ckpt.load_checkpoint(good)
+    assert good == ckpt.latest_checkpoint(out) and state["step"] == bad_step - 1 - skip_budget
+    assert all(torch.isfinite(w).all() for w in state["model"].values())
+
+
+def test_skip_nonfinite_skips_a_bad_step_and_counts_it_across_a_resume(demo_data_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "checkpoints"
+    clip = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def overflow_on_the_third_step(parameters, max_norm, *args, **kwargs):
+        calls.append(1)
+        norm = clip(parameters, max_norm, *args, **kwargs)
+        return torch.full_like(norm, float("inf")) if len(calls) == 3 else norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", overflow_on_the_third_step)
+    train(train_argv(demo_data_dir, out, "skipping", "--skip-nonfinite", "1", "--max-steps", "6"))
+    assert "step 3: non-finite loss/gradient, step skipped (1/1)" in capsys.readouterr().err
+    assert manifest(out, "skipping")["skipped_nonfinite_steps"] == 1
+
+    train(train_argv(demo_data_dir, out, "skipping", "--skip-nonfinite", "1", "--resume", "auto"))
+    data = manifest(out, "skipping")
+    assert data["skipped_nonfinite_steps"] == 1 and data["steps_done"] == STEPS
+    assert [h["step"] for h in data["history"] if "loss" in h] == [s for s in range(1, STEPS + 1) if s != 3]
+    assert data["tokens"] == (STEPS - 1) * BATCH_TOKENS  # the skipped step's batch was not learned from
+
+
+# ---- 5: disk full, unwritable output ------------------------------------------------------------------------------
+
+
+def test_a_failing_checkpoint_write_keeps_the_previous_checkpoint(demo_data_dir, tmp_path, monkeypatch):
+    out = tmp_path / "checkpoints"
+    save = torch.save
+    calls = []
+
+    def disk_full_on_the_second_save(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            f.write(b"\0" * 4096)  # part of it reached the disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_on_the_second_save)
+    with pytest.raises(PPTError, match=r"could not write checkpoint .*step_00000008\.pt \(No space left on device\); "):
+        train(train_argv(demo_data_dir, out, "diskfull", "--keep", "1"))
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_00000004.pt"]  # not pruned, no temp file left
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(out))["step"] == SAVE_EVERY
+
+
+def test_too_little_free_space_fails_before_training(demo_data_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "checkpoints"
+    almost_full = types.SimpleNamespace(total=10**9, used=10**9 - 10**6, free=10**6)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: almost_full)
+    with pytest.raises(PPTError, match=r"only 0\.00 GB free under .* a checkpoint needs about 0\.01 GB"):
+        train(train_argv(demo_data_dir, out, "nospace"))
+    assert "step " not in capsys.readouterr().out and not list(out.glob("step_*"))
+
+
+# ---- 6: security --------------------------------------------------------------------------------------------------
+
+
+class MakesDirectoryWhenUnpickled:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return os.mkdir, (str(self.path),)
+
+
+def test_pickled_code_in_a_checkpoint_or_shard_is_refused_and_never_run(tmp_path):
+    marker = tmp_path / "code_ran"
+    evil = ckpt.checkpoint_path(tmp_path / "run", 1)
+    evil.parent.mkdir()
+    torch.save(
+        {"model": {}, "config": {"class": "LlamaConfig"}, "step": 1, "x": MakesDirectoryWhenUnpickled(marker)}, evil
+    )
+    with pytest.raises(PPTError, match="unreadable or incomplete"):
+        ckpt.load_checkpoint(evil)
+    assert ckpt.latest_checkpoint(evil.parent) is None  # --resume auto skips it too
+    shard = tmp_path / "data" / "train_00000.bin"
+    shard.parent.mkdir()
+    shard.write_bytes(evil.read_bytes())
+    with pytest.raises(PPTError, match="bad magic number"):
+        read_shard(shard)
+    assert not marker.exists()
+
+
+def test_wandb_stays_off_without_run(reference):
+    assert not reference.wandb_imported
+
+
+# ---- 3 and 6: bad input at the command line, and no network at import ---------------------------------------------
+
+# Runs in a subprocess with the network blocked: imports every ppt and scripts module (recording any import error or
+# network attempt), then runs each bad-input case in a forked child exactly as `python -m <module> <args>` runs it
+# (its `__main__` block, via runpy), recording the exit status and stderr. Forking from one warm interpreter keeps
+# a case at a fraction of a second instead of a fresh torch import each.
+DRIVER = r"""
+import importlib, json, os, pkgutil, runpy, socket, sys, traceback
+
+network_attempts = []
+
+def blocked(*args, **kwargs):
+    network_attempts.append("".join(traceback.format_stack(limit=12)))
+    raise OSError("the network is blocked in this test")
+
+class NoNetworkSocket(socket.socket):  # local sockets may be made (urllib3 probes IPv6 so); nothing may connect
+    connect = connect_ex = sendto = blocked
+
+socket.socket = NoNetworkSocket
+socket.getaddrinfo = socket.gethostbyname = socket.create_connection = blocked
+
+import ppt, scripts
+
+modules, failed = [], {}
+for package in (ppt, scripts):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        try:
+            importlib.import_module(info.name)
+            modules.append(info.name)
+        except Exception:
+            failed[info.name] = traceback.format_exc()
+results = {"imports": {"modules": modules, "failed": failed, "network_attempts": network_attempts}, "cases": {}}
+
+import torch
+from ppt.model import build_model, get_config
+
+with torch.device("meta"):  # pays torch's lazy imports (seconds) once here instead of in every child
+    build_model(get_config("tiny"))
+
+cases_file, results_file, work = sys.argv[1:]
+for case in json.loads(open(cases_file).read()):
+    err_path = os.path.join(work, case["id"] + ".stderr")
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.environ.update(case["env"])
+            with open(err_path, "w") as err, open(os.devnull, "w") as null:
+                os.dup2(err.fileno(), 2), os.dup2(null.fileno(), 1)
+            sys.modules.pop(case["module"], None)  # runpy re-executes it as __main__
+            sys.argv = [case["module"], *case["args"]]
+            try:
+                runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if not isinstance(exc.code, (int, type(None))):
+                    print(exc.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    results["cases"][case["id"]] = {"rc": os.waitstatus_to_exitcode(status), "stderr": open(err_path).read()}
+json.dump(results, open(results_file, "w"))
+"""
+
+TRAIN = ["--config", "tiny", "--data-dir", "{data}", "--seq-len", "32", "--total-batch-tokens", "64",
+         "--device-batch-size", "2", "--device", "cpu", "--compile", "off", "--out-dir", "{work}/out"]  # fmt: skip
+PREPARE = ["--workers", "1", "--out", "{work}/prepared", "--tokenizer", "{data}/tokenizer.json"]
+BAD_INPUT = [
+    # scripts.prepare_fineweb
+    pytest.param("prepare_fineweb", ["--source", "{work}/empty.txt", *PREPARE], {},
+                 r"the corpus has no documents.*check --source", id="prepare-empty-corpus"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/latin1.txt", *PREPARE], {},
+                 r"latin1\.txt is not valid UTF-8 \(byte offset 3\); re-encode it", id="prepare-non-utf8"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/absent.jsonl", *PREPARE], {},
+                 r"matches no file", id="prepare-missing-source"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/table.csv", *PREPARE], {},
+                 r"table\.csv: unsupported file type; use \.txt, \.jsonl, \.parquet", id="prepare-unsupported-type"),
+    pytest.param("prepare_fineweb", ["--source", "demo", "{work}/empty.txt", *PREPARE], {},
+                 r"fineweb, demo, or local files, not a mix", id="prepare-mixed-sources"),
+    # scripts.base_train
+    pytest.param("base_train", [*TRAIN, "--config", "nope"], {},
+                 r"unknown config 'nope'; valid names: .*tiny", id="train-unknown-config"),
+    pytest.param("base_train", [*TRAIN, "--depth", "2"], {},
+                 r"either a config name or a depth, not both", id="train-depth-and-config"),
+    pytest.param("base_train", [*TRAIN, "--seq-len", "512"], {},
+                 r"--seq-len 512 exceeds the config's max_seq_len 256", id="train-seq-len-too-long"),
+    pytest.param("base_train", [*TRAIN, "--total-batch-tokens", "100"], {},
+                 r"--total-batch-tokens 100 is not divisible by .*\(2 x 32 x 1 = 64\)", id="train-batch-not-divisible"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/no_such_data"], {},
+                 r"no_such_data.* is missing; create it with `python -m scripts\.prepare_fineweb`",
+                 id="train-missing-data-dir"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/bad_magic"], {},
+                 r"train_00000\.bin is not a ppt shard \(bad magic number\)", id="train-shard-bad-magic"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/truncated"], {},
+                 r"train_00000\.bin: truncated shard .*delete it and re-run prepare", id="train-shard-truncated"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/other_tokenizer"], {},
+                 r"train_00000\.bin was tokenized with other-bpe with fingerprint cdcdcd.*but this run expects",
+                 id="train-shard-other-tokenizer"),
+    pytest.param("base_train", [*TRAIN, "--resume", "{work}/other_config/step_00000004.pt"], {},
+                 r"is from another config: n_layer: checkpoint=2 run=4$", id="train-resume-other-config"),
+    pytest.param("base_train", [*TRAIN, "--resume", "{work}/absent/step_00000004.pt"], {},
+                 r"checkpoint .*absent/step_00000004\.pt does not exist", id="train-resume-missing-checkpoint"),
+    pytest.param("base_train", [*TRAIN, "--out-dir", "{work}/a_file/out"], {},
+                 r"output directory .*a_file/out is not writable .*pass --out-dir", id="train-unwritable-out-dir"),
+    pytest.param("base_train", TRAIN, {"PPT_DTYPE": "fp8"},
+                 r"PPT_DTYPE='fp8' is not a dtype; use one of bf16, fp16, fp32", id="train-bad-ppt-dtype"),
+    # scripts.base_eval
+    pytest.param("base_eval", ["--model-tag", "never-trained", "--skip-tasks"], {},
+                 r"no checkpoint for tag 'never-trained'.*train it or pass --checkpoint", id="eval-unknown-tag"),
+    pytest.param("base_eval", ["--checkpoint", "{work}/absent.pt", "--skip-tasks"], {},
+                 r"checkpoint .*absent\.pt does not exist", id="eval-missing-checkpoint"),
+    pytest.param("base_eval", ["--checkpoint", "{work}/tiny/step_00000001.pt", "--data-dir", "{data}",
+                               "--seq-len", "512", "--skip-tasks", "--device", "cpu"], {},
+                 r"--seq-len 512 exceeds the model's max_seq_len 256", id="eval-seq-len-too-long"),
+    pytest.param("base_eval", ["--model-tag", "x", "--skip-tasks", "--demo-task"], {},
+                 r"--skip-tasks runs bits per byte only; drop it", id="eval-contradictory-flags"),
+]  # fmt: skip
+
+
+def make_bad_inputs(work: Path, data: Path) -> None:
+    """The files the BAD_INPUT cases point at."""
+    (work / "empty.txt").write_text("  \n")
+    (work / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (work / "table.csv").write_text("text\nhello\n")
+    (work / "a_file").write_text("not a directory")
+    for name in ("bad_magic", "truncated", "other_tokenizer"):
+        copy = work / name
+        copy.mkdir()
+        for source in [data / "meta.json", data / "tokenizer.json", *data.glob("*_00000.bin")]:
+            (copy / source.name).write_bytes(source.read_bytes())
+    shard = data / "train_00000.bin"
+    (work / "bad_magic" / shard.name).write_bytes(b"NOTSHARD" + shard.read_bytes()[8:])
+    (work / "truncated" / shard.name).write_bytes(shard.read_bytes()[:-10])
+    info, tokens = read_shard(shard)
+    write_shard(work / "other_tokenizer" / shard.name, tokens, vocab_size=info.vocab_size, eot_id=info.eot_id,
+                fingerprint="cd" * 32, demo=False, tokenizer_name="other-bpe")  # fmt: skip
+
+    meta = json.loads((data / "meta.json").read_text())["tokenizer"]
+    config = dataclasses.replace(get_config("tiny"), vocab_size=meta["vocab_size"])
+    other = dataclasses.replace(config, n_layer=2)
+    ckpt.save_checkpoint(
+        work / "other_config", 4, {"config": {"class": type(other).__name__, **dataclasses.asdict(other)}}
+    )
+    model = build_model(config)
+    model.init_weights()
+    payload = {"model": model.state_dict(), "config": {"class": type(config).__name__, **dataclasses.asdict(config)}}
+    ckpt.save_checkpoint(work / "tiny", 1, {**payload, "tokenizer_fingerprint": meta["fingerprint"]})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def driver(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Starts DRIVER with this module's first test, so it runs beside the training tests; calling it waits."""
+    work = tmp_path_factory.mktemp("bad_input")
+    make_bad_inputs(work, demo_data_dir)
+    fill = lambda text: text.format(work=work, data=demo_data_dir)  # noqa: E731
+    cases = [
+        {"id": p.id, "module": f"scripts.{p.values[0]}", "args": [fill(a) for a in p.values[1]], "env": p.values[2]}
+        for p in BAD_INPUT
+    ]
+    (work / "cases.json").write_text(json.dumps(cases))
+    (work / "driver.py").write_text(DRIVER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}
+    # online as far as libraries know: the blocked socket is what must stop them
+    env |= {"PPT_CACHE": str(work / "cache"), "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    with open(work / "driver.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(work / "driver.py"), str(work / "cases.json"), str(work / "results.json"), str(work)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    @functools.cache
+    def results() -> dict:
+        proc.wait(timeout=300)
+        assert proc.returncode == 0, (work / "driver.log").read_text()
+        return json.loads((work / "results.json").read_text())
+
+    yield results
+    proc.kill()
+    proc.wait()
+
+
+def test_nothing_touches_the_network_at_import(driver):
+    imports = driver()["imports"]
+    assert not imports["failed"], imports["failed"]
+    assert not imports["network_attempts"], imports["network_attempts"]
+    assert {"ppt.model", "ppt.evals", "scripts.base_train", "scripts.base_eval", "scripts.prepare_fineweb"} <= set(
+        imports["modules"]
+    )
+
+
+@pytest.mark.parametrize("script, args, env, message", BAD_INPUT)
+def test_bad_input_prints_one_error_line_and_exits_2(script, args, env, message, driver, request):
+    result = driver()["cases"][request.node.callspec.id]
+    lines = [line for line in result["stderr"].splitlines() if line.strip()]
+    assert result["rc"] == 2, result["stderr"]
+    assert lines and lines[-1].startswith("error: "), result["stderr"]
+    assert re.search(message, lines[-1]), result["stderr"]
+    assert "Traceback" not in result["stderr"]
