@@ -370,7 +370,7 @@ class _Prefetcher:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if self._thread is not threading.current_thread():  # garbage collection may run the finalizer there
             self._thread.join()
 
     @staticmethod

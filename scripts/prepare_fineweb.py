@@ -139,7 +139,7 @@ def _demo_corpus() -> tuple[str, ...]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated modules and attributes warn when imported or read
         modules = [_module_document(name, seen) for name in _stdlib_module_names()]
-    documents = [topics[key] for key in sorted(topics)] + [doc for doc in modules if doc]
+    documents = [*dict.fromkeys(topics[key] for key in sorted(topics)), *(doc for doc in modules if doc)]
     random.Random(0).shuffle(documents)  # a fixed mix, so the val split (the first documents) has both kinds
     return tuple(documents)
 

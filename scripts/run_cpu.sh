@@ -24,7 +24,7 @@ run() { uv run --no-sync python "$@"; }
 # Multiscreen's screening runs its plain-PyTorch reference, whose cost grows with the square of the row length, so
 # it trains on shorter rows and fewer tokens (at the higher learning rate it needs) in the same time.
 case "$config" in
-    multiscreen*) budget=(--seq-len 128 --total-batch-tokens 4096 --target-tokens 4e5 --lr 1e-2 --warmup-tokens 2e4) ;;
+    multiscreen*) budget=(--seq-len 128 --total-batch-tokens 4096 --target-tokens 5e5 --lr 1e-2 --warmup-tokens 2e4) ;;
     *) budget=(--seq-len 256 --total-batch-tokens 8192 --target-tokens 9e5 --lr 3e-3 --warmup-tokens 4e4) ;;
 esac
 

@@ -228,18 +228,18 @@ def test_prefetch_thread_is_a_daemon_that_stops_on_close_collection_and_error(ma
 
     def failing_build(self, locations):
         calls.append(locations)
-        if len(calls) == 3:
+        if len(calls) == 4:  # with 2 batches queued, the thread is still blocked when the first is returned
             raise OSError("disk went away")
         return build(self, locations)
 
     monkeypatch.setattr(data._RowSource, "build", failing_build)
     loader = DataLoader(data_dir, "train", batch_size=2, seq_len=10, prefetch=2)
     thread, _ = prefetch_thread_of(loader)
-    next(loader)
+    next(loader), next(loader)
     with pytest.raises(OSError, match="disk went away"):
         next(loader)
     thread.join(timeout=5)
-    assert not thread.is_alive() and loader.state_dict()["position"] == 4
+    assert not thread.is_alive() and loader.state_dict()["position"] == 6
     with pytest.raises(PPTError, match="prefetch"):
         DataLoader(data_dir, "train", batch_size=2, seq_len=10, prefetch=-1)
 

@@ -1,6 +1,10 @@
 import json
+import os
 import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -86,6 +90,42 @@ def test_parquet_on_two_workers_matches_jsonl_on_one(tmp_path, tokenizer_path, m
     assert prepared_docs(parquet) == [d for d in docs if d]
 
 
+def test_demo_corpus_is_the_stdlib_documentation_and_the_same_in_a_fresh_process():
+    from pydoc_data.topics import topics
+
+    docs = prepare_fineweb.demo_documents()
+    assert sum(len(d.encode()) for d in docs) > 2_000_000  # a few MB, not the 0.5 MB of the help() topics alone
+    assert topics["if"] in docs and topics["if"] != docs[0]  # topics are documents whole, in a fixed mixed order
+    json_doc = next(d for d in docs if d.startswith("module json\n"))
+    assert "JSON (JavaScript Object Notation)" in json_doc and "comments in the source of json\n" in json_doc
+    # parameter names only: a default's repr can be anything (cgi's defaults hold the whole os.environ)
+    heading = "def json.dumps(obj, *, skipkeys, ensure_ascii, check_circular, allow_nan, cls, indent, separators, "
+    assert heading in json_doc
+    assert len(set(docs)) == len(docs)
+
+    # two fresh processes, other hash seeds, a secret in the environment: the same corpus, and no secret in it.
+    # (Fresh, because a host that patches stdlib hooks, as pytest does, changes what this process would document.)
+    secret = "ppt-secret-value-that-must-not-leak"
+    code = (
+        "import hashlib; from scripts.prepare_fineweb import demo_documents; docs = demo_documents(); "
+        f"print(hashlib.sha256(chr(0).join(docs).encode()).hexdigest(), any({secret!r} in d for d in docs))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed, "PPT_TEST_SECRET": secret},
+            cwd=root,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for seed in ("1", "2")
+    ]
+    outputs = [run.communicate(timeout=120)[0].split() for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    assert outputs[0] == outputs[1] and outputs[0][1] == "False"
+
+
 def test_demo_end_to_end_and_rerun_is_a_no_op(demo_data_dir, capsys):
     meta = read_meta(demo_data_dir)
     tok = load_data_tokenizer(demo_data_dir)
@@ -95,6 +135,9 @@ def test_demo_end_to_end_and_rerun_is_a_no_op(demo_data_dir, capsys):
     assert info.is_demo and info.tokenizer_name == "demo-bpe-512" and info.dtype.itemsize == 2
     loader = DataLoader(demo_data_dir, "val", 2, 64, expected_fingerprint=tok.fingerprint)
     assert sum(batch[0].numel() for batch in loader.val_batches(10 * 64)) == 10 * 64
+    docs = prepare_fineweb.demo_documents()
+    val_docs = meta["val"]["docs"]
+    assert prepared_docs(demo_data_dir)[: val_docs + 1] == docs[: val_docs + 1]  # val: the first documents
 
     before = shard_bytes(demo_data_dir)
     argv = ["--source", "demo", "--out", str(demo_data_dir), "--vocab-size", "512", "--workers", "1"]
