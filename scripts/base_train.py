@@ -207,6 +207,15 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
+    def agreed_stop_signal() -> int:
+        """The signal to stop on (0: none), the same on every rank. Ranks can receive a signal in different steps;
+        one that stopped alone would leave the others waiting forever in their next all-reduce."""
+        if not rt.distributed:
+            return stop_signal[0] if stop_signal else 0
+        stop = torch.tensor(stop_signal[:1] or [0], device=rt.device)
+        torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
+        return int(stop.item())
+
     def save(step: int) -> None:
         if rt.is_master:
             payload = {
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     step = start_step
     train_iter = iter(train_loader)
     last_saved = start_step
-    while step < last_step and not stop_signal:
+    while not (stopping := agreed_stop_signal()) and step < last_step:
         t0 = time.perf_counter()
         set_lr(optimizer, lr_multiplier(step, total_steps, warmup_steps, args.schedule))
         loss_sum = torch.zeros((), device=rt.device)
@@ -326,12 +335,12 @@ def main(argv: list[str] | None = None) -> None:
     # ---- end of run: save first, so an evaluation crash loses nothing ----------------------------------------
     if step != last_saved:
         save(step)
-    if stop_signal:
-        print0(f"stopped by signal {stop_signal[0]} at step {step}; resume with --resume auto")
+    if stopping:
+        print0(f"stopped by signal {stopping} at step {step}; resume with --resume auto")
         report.update(stopped_at=step)
         report.write()
         shutdown_runtime()
-        sys.exit(128 + stop_signal[0])
+        sys.exit(128 + stopping)
     final = evaluate(step)
     report.update(
         final_val=final,
