@@ -9,7 +9,7 @@ ppt_env() {
         python3 -m pip install --quiet uv
         export PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$HOME/.local/bin:$PATH"
     fi
-    uv sync --quiet --frozen "$@"
+    uv sync --quiet --frozen --inexact "$@"  # --inexact: keep what other extras installed
 }
 
 # The extra that matches this machine; the lock installs PyPI's torch for all of them.
