@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ppt.common import PPTError
+from ppt.common import PPTError, atomic_file
 
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
@@ -52,20 +52,15 @@ def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: i
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
-    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with atomic_file(final) as f:
             torch.save({**payload, "step": step}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise PPTError(
             f"could not write checkpoint {final} ({exc.strerror or exc}); the previous checkpoint is untouched. "
             "Free disk space or pass a writable --out-dir, then resume with --resume auto"
         ) from exc
-    for stale in directory.glob("step_*.pt.tmp*"):  # left by a run killed mid-write; one writer per directory
+    for stale in directory.glob(".step_*.pt.*.tmp"):  # left by a run killed mid-write; one writer per directory
         stale.unlink(missing_ok=True)
     if keep > 0:
         for _, old in list_checkpoints(directory)[:-keep]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,28 @@ class PPTError(Exception):
 def cache_dir() -> Path:
     """Where shards, tokenizers, checkpoints and reports live: $PPT_CACHE, else ~/.cache/ppt."""
     return Path(os.environ.get("PPT_CACHE") or Path.home() / ".cache" / "ppt").expanduser()
+
+
+def temp_path(path: Path) -> Path:
+    """The hidden temp name beside `path` that `atomic_file` writes first (what a killed write leaves behind)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """Write through a temp file beside `path`, fsync, then rename over it: a reader sees the old file or the whole
+    new one, never a part. On any error the temp file is removed and the old file stays."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def autodetect_device() -> torch.device:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import struct
 import threading
@@ -50,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppt.common import PPTError, cache_dir, warn0
+from ppt.common import PPTError, atomic_file, cache_dir, warn0
 from ppt.tokenizer import Tokenizer, load_tokenizer
 
 MAGIC = b"PPTSHARD"
@@ -129,22 +128,9 @@ def write_shard(
         tokens_sha256,
         name_bytes,
     ).ljust(HEADER_BYTES, b"\0")
-    _atomic_write(path, [header, data])
-
-
-def _atomic_write(path: Path, chunks: list[bytes]) -> None:
-    """Write to a temp file beside `path`, fsync, rename: a reader sees the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(path) as f:
+        f.write(header)
+        f.write(data)
 
 
 def read_shard(
@@ -236,7 +222,8 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
 
 
 def write_meta(data_dir: str | Path, meta: dict[str, Any]) -> None:
-    _atomic_write(Path(data_dir) / "meta.json", [json.dumps(meta, indent=2).encode("utf-8")])
+    with atomic_file(Path(data_dir) / "meta.json") as f:
+        f.write(json.dumps(meta, indent=2).encode("utf-8"))
 
 
 def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ppt.common import PPTError
+from ppt.common import PPTError, atomic_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,13 +81,10 @@ class RunReport:
             return
         payload = json.dumps({**self.data, "history": self.history}, indent=1, default=str)
         for path in self.paths:
-            tmp = path.with_name(path.name + ".tmp")
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(payload)
-                os.replace(tmp, path)
+                with atomic_file(path) as f:
+                    f.write(payload.encode("utf-8"))
             except OSError as exc:
-                tmp.unlink(missing_ok=True)
                 raise PPTError(
                     f"could not write the run manifest {path} ({exc.strerror or exc}); the previous version is "
                     "untouched. Free disk space, then resume with --resume auto"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ppt.common import PPTError, init_runtime, print0, run_cli, shutdown_runtime
+from ppt.common import PPTError, atomic_file, init_runtime, print0, run_cli, shutdown_runtime
 from ppt.data import DataLoader, list_shards, read_shard
 from ppt.loss_eval import evaluate_bpb
 from ppt.tokenizer import Tokenizer
@@ -133,10 +132,8 @@ def update_manifests(run: LoadedRun, evaluation: dict[str, Any]) -> list[Path]:
         previous = manifest.get("eval", {})
         same = previous.get("checkpoint") == evaluation["checkpoint"]
         manifest["eval"] = {**previous, **evaluation} if same else evaluation
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(manifest, indent=1, default=str))
-        os.replace(tmp, path)
+        with atomic_file(path) as f:
+            f.write(json.dumps(manifest, indent=1, default=str).encode("utf-8"))
     return existing
 
 

@@ -30,7 +30,7 @@ def test_keep_prunes_only_after_the_new_file_is_complete(tmp_path):
 def test_latest_skips_partial_and_corrupt_files(tmp_path):
     ckpt.save_checkpoint(tmp_path, 1, payload(1.0))
     good = ckpt.save_checkpoint(tmp_path, 2, payload(2.0))
-    (tmp_path / "step_00000003.pt.tmp123").write_bytes(b"half a file")  # a kill mid-write
+    (tmp_path / ".step_00000003.pt.123.tmp").write_bytes(b"half a file")  # a kill mid-write
     ckpt.checkpoint_path(tmp_path, 4).write_bytes(good.read_bytes()[:100])  # truncated by a full disk
     assert ckpt.latest_checkpoint(tmp_path) == good
 

@@ -148,7 +148,7 @@ def test_sigkill_at_a_random_step_then_resume_reproduces_the_uninterrupted_run(
     assert last_complete is not None and ckpt.load_checkpoint(last_complete)["step"] >= SAVE_EVERY
     step = ckpt.load_checkpoint(last_complete)["step"]
     ckpt.checkpoint_path(out, step + 1).write_bytes(last_complete.read_bytes()[:2000])
-    (out / f"step_{step + 2:08d}.pt.tmp4242").write_bytes(b"half a checkpoint")
+    (out / f".step_{step + 2:08d}.pt.4242.tmp").write_bytes(b"half a checkpoint")
 
     train(train_argv(demo_data_dir, out, "killed", "--resume", "auto"))
     printed = capsys.readouterr().out
