@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ppt.common import PPTError, atomic_file
+from ppt.common import PPTError, atomic_file, warn0
 
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
@@ -42,9 +42,10 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore RNG states; they must be CPU byte tensors, whatever device the checkpoint was mapped to."""
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: int = 0) -> Path:
@@ -85,7 +86,7 @@ def latest_checkpoint(directory: Path) -> Path | None:
             torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             return path
         except Exception:
-            print(f"warning: skipping unreadable checkpoint {path}", flush=True)
+            warn0(f"skipping unreadable checkpoint {path}")
     return None
 
 

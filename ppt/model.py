@@ -185,7 +185,7 @@ def language_model_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: 
 class MultiscreenConfig:
     psi: int
     vocab_size: int = 49152
-    max_seq_len: int = 4096  # the training length: heads whose window outgrows it see the whole prefix at eval
+    max_seq_len: int = 4096  # the longest row; heads whose window outgrows it see the whole prefix at eval
     d_key: int = 16
     d_value: int = 64
     window_threshold: float = 256.0  # MiPE rotates only heads with windows below it
@@ -287,6 +287,11 @@ class MultiscreenBlock(nn.Module):
 class MultiscreenLM(nn.Module):
     def __init__(self, config: MultiscreenConfig) -> None:
         super().__init__()
+        if {config.d_key, config.d_value} - {16, 32, 64, 128}:
+            raise PPTError(
+                f"d_key {config.d_key} / d_value {config.d_value}: the screening kernel tiles head dims of "
+                "16, 32, 64 or 128; pick those"
+            )
         self.config = config
         self.embed = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
         self.blocks = nn.ModuleList(MultiscreenBlock(config) for _ in range(config.n_layer))

@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from ppt.common import PPTError, cache_dir
+from ppt.common import PPTError, atomic_file, cache_dir
 
 DEFAULT_TOKENIZER = "HuggingFaceTB/cosmo2-tokenizer"
 EOT_TOKEN = "<|endoftext|>"
@@ -90,10 +90,8 @@ class Tokenizer:
     def save(self, directory: str | Path) -> Path:
         """Write `directory/tokenizer.json` atomically; returns its path."""
         path = Path(directory) / "tokenizer.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        self.backend.save(str(tmp))
-        os.replace(tmp, path)
+        with atomic_file(path) as f:
+            f.write(self.backend.to_str().encode("utf-8"))
         return path
 
 

@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)} (default smollm-360m unless --depth)")
-    g.add_argument("--depth", type=int, help="the scaling dial: width, heads and batch derived from depth")
+    g.add_argument("--depth", type=int, help="the scaling dial: width and heads derived from depth")
     g = p.add_argument_group("data and batch")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default <cache>/data/fineweb-edu)")
     g.add_argument("--seq-len", type=int, help="tokens per row (default min(2048, the config's max_seq_len))")
@@ -143,9 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     start_step, tokens_seen, history, skipped = 0, 0, [], 0
     resume_path = None
     if args.resume == "auto":
-        resume_path = ckpt.latest_checkpoint(out_dir)
+        resume_path = ckpt.latest_checkpoint(out_dir) if rt.is_master else None
     elif args.resume:
         resume_path = Path(args.resume)
+    if rt.distributed:  # rank 0 picks, so every rank resumes from the same checkpoint (it must be readable by all)
+        chosen = [resume_path]
+        torch.distributed.broadcast_object_list(chosen, src=0)
+        resume_path = chosen[0]
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path, map_location=rt.device)
         if diff := ckpt.config_mismatch(state["config"], config_dict):
@@ -166,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     if rt.distributed:
         train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
 
-    report = RunReport(tag, [cache_dir() / "reports", out_dir], enabled=rt.is_master)
+    # a benchmark writes no manifest: it must not overwrite the report of a real run with the same tag
+    report = RunReport(tag, [cache_dir() / "reports", out_dir], enabled=rt.is_master and not args.benchmark)
     report.history = history
     report.update(
         config=config_dict,
@@ -202,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{rt.device} {str(rt.dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}, "
         f"{flops['mfu'] / 1e9:.3f} GFLOP/token"
     )
+    epochs = total_steps * total_batch / train_loader.tokens_per_epoch
+    if epochs > 1:
+        warn0(f"the budget is {epochs:.1f} epochs of {data_dir}: data repeats (prepare more shards to avoid it)")
 
     stop_signal: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,60 @@
+import json
+
+import pytest
+
+from ppt.common import cache_dir
+from scripts.base_train import main
+
+
+def test_benchmark_mode_measures_without_touching_run_outputs(demo_data_dir, tmp_path, capsys):
+    reports = cache_dir() / "reports"
+    reports.mkdir(parents=True)
+    real_report = reports / "tiny.json"
+    real_report.write_text('{"run": "tiny", "from": "a real run"}')
+    argv = [
+        "--config",
+        "tiny",
+        "--data-dir",
+        str(demo_data_dir),
+        "--seq-len",
+        "32",
+        "--device-batch-size",
+        "2",
+        "--total-batch-tokens",
+        "64",
+        "--max-steps",
+        "7",
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--benchmark",
+    ]
+    main(argv)
+    summary = json.loads(capsys.readouterr().out.split("benchmark ", 1)[1])
+    assert summary["steps_measured"] == 2 and summary["tok_per_s"] > 0
+    assert 0 <= summary["data_share"] < 1 and 0 < summary["optimizer_share"] < 1
+    assert json.loads(real_report.read_text())["from"] == "a real run"  # the benchmark wrote no manifest
+    assert not list((tmp_path / "out").glob("step_*.pt"))  # and no checkpoint
+
+
+def test_benchmark_needs_steps_after_warmup(demo_data_dir, tmp_path):
+    from ppt.common import PPTError
+
+    argv = [
+        "--config",
+        "tiny",
+        "--data-dir",
+        str(demo_data_dir),
+        "--seq-len",
+        "32",
+        "--device-batch-size",
+        "2",
+        "--total-batch-tokens",
+        "64",
+        "--max-steps",
+        "3",
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--benchmark",
+    ]
+    with pytest.raises(PPTError, match="more than 5 steps"):
+        main(argv)
