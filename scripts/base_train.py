@@ -77,7 +77,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    """Train; the SIGTERM/SIGINT handlers the loop installs are put back afterwards (main may run in-process)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train(parse_args(argv))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def train(args: argparse.Namespace) -> None:
     rt = init_runtime(args.device)
     torch.manual_seed(args.seed)
 
