@@ -40,6 +40,14 @@ class LlamaConfig:
         return self.d_model // self.n_head
 
 
+def roles_by_shape(model: nn.Module, embedding: str) -> dict[str, str]:
+    """Optimizer roles (SPEC.md): the named token embedding, matrices (2-D or stacks of them), and scalars."""
+    return {
+        name: "embedding" if name == embedding else "matrix" if param.ndim >= 2 else "scalar"
+        for name, param in model.named_parameters()
+    }
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -135,13 +143,7 @@ class Llama(nn.Module):
         self.rope_cos, self.rope_sin = self._rope_tables(self.embed.weight.device)
 
     def param_roles(self) -> dict[str, str]:
-        roles = {}
-        for name, param in self.named_parameters():
-            if name == "embed.weight":
-                roles[name] = "embedding"
-            else:
-                roles[name] = "matrix" if param.ndim == 2 else "scalar"
-        return roles
+        return roles_by_shape(self, embedding="embed.weight")
 
     def forward(
         self,
@@ -307,13 +309,7 @@ class MultiscreenLM(nn.Module):
         self.s_f.fill_(0.5 * math.log(self.config.d_model))
 
     def param_roles(self) -> dict[str, str]:
-        roles = {}
-        for name, param in self.named_parameters():
-            if name == "embed":
-                roles[name] = "embedding"
-            else:
-                roles[name] = "matrix" if param.ndim >= 2 else "scalar"
-        return roles
+        return roles_by_shape(self, embedding="embed")
 
     def forward(
         self,

@@ -2,8 +2,13 @@ import json
 
 import pytest
 
-from ppt.common import cache_dir
+from ppt.common import PPTError, cache_dir
 from scripts.base_train import main
+
+
+def benchmark_argv(data_dir, out_dir, max_steps: int) -> list[str]:
+    sizes = "--config tiny --seq-len 32 --device-batch-size 2 --total-batch-tokens 64 --benchmark".split()
+    return [*sizes, "--data-dir", str(data_dir), "--max-steps", str(max_steps), "--out-dir", str(out_dir)]
 
 
 def test_benchmark_mode_measures_without_touching_run_outputs(demo_data_dir, tmp_path, capsys):
@@ -11,24 +16,7 @@ def test_benchmark_mode_measures_without_touching_run_outputs(demo_data_dir, tmp
     reports.mkdir(parents=True)
     real_report = reports / "tiny.json"
     real_report.write_text('{"run": "tiny", "from": "a real run"}')
-    argv = [
-        "--config",
-        "tiny",
-        "--data-dir",
-        str(demo_data_dir),
-        "--seq-len",
-        "32",
-        "--device-batch-size",
-        "2",
-        "--total-batch-tokens",
-        "64",
-        "--max-steps",
-        "7",
-        "--out-dir",
-        str(tmp_path / "out"),
-        "--benchmark",
-    ]
-    main(argv)
+    main(benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=7))
     summary = json.loads(capsys.readouterr().out.split("benchmark ", 1)[1])
     assert summary["steps_measured"] == 2 and summary["tok_per_s"] > 0
     assert 0 <= summary["data_share"] < 1 and 0 < summary["optimizer_share"] < 1
@@ -37,24 +25,5 @@ def test_benchmark_mode_measures_without_touching_run_outputs(demo_data_dir, tmp
 
 
 def test_benchmark_needs_steps_after_warmup(demo_data_dir, tmp_path):
-    from ppt.common import PPTError
-
-    argv = [
-        "--config",
-        "tiny",
-        "--data-dir",
-        str(demo_data_dir),
-        "--seq-len",
-        "32",
-        "--device-batch-size",
-        "2",
-        "--total-batch-tokens",
-        "64",
-        "--max-steps",
-        "3",
-        "--out-dir",
-        str(tmp_path / "out"),
-        "--benchmark",
-    ]
     with pytest.raises(PPTError, match="more than 5 steps"):
-        main(argv)
+        main(benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=3))
