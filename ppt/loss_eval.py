@@ -46,15 +46,26 @@ def evaluate_bpb(
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=token_bytes.device)  # nll_all, tokens, nll_bytes, bytes
+    rows = None
     try:
         for inputs, targets, doc_pos in batches:
+            rows = rows or inputs.shape[0]
+            if inputs.shape[0] < rows:  # pad a short last batch with ignored rows: a compiled model sees one shape
+                inputs, targets, doc_pos = pad_rows(inputs, targets, doc_pos, rows)
             with autocast(inputs.device, dtype):
                 nll = model(inputs, targets, doc_pos, reduction="none")
             nll, targets = nll.to(sums.device, torch.float64), targets.to(sums.device)
             valid = targets >= 0
             nbytes = torch.where(valid, token_bytes[targets.clamp_min(0)], 0).double()
-            counted = nbytes > 0
-            sums += torch.stack([nll[valid].sum(), valid.sum().double(), nll[counted].sum(), nbytes.sum()])
+            # masked sums rather than boolean indexing, which would wait for the GPU on every batch
+            sums += torch.stack(
+                [
+                    torch.where(valid, nll, 0).sum(),
+                    valid.sum().double(),
+                    torch.where(nbytes > 0, nll, 0).sum(),
+                    nbytes.sum(),
+                ]
+            )
     finally:
         model.train(was_training)
     if dist.is_initialized():
@@ -68,3 +79,13 @@ def evaluate_bpb(
         "tokens": int(tokens),
         "bytes": int(nbytes),
     }
+
+
+def pad_rows(
+    inputs: Tensor, targets: Tensor, doc_pos: Tensor | None, rows: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Append rows with every target ignored (-1), up to `rows`."""
+    extra = rows - inputs.shape[0]
+    pad = lambda t, value: torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+    doc_pos = None if doc_pos is None else torch.cat([doc_pos, doc_pos[:1].expand(extra, -1)])
+    return pad(inputs, 0), pad(targets, -1), doc_pos

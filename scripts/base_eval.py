@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ppt.common import PPTError, atomic_file, init_runtime, print0, run_cli, shutdown_runtime
+from ppt.common import PPTError, atomic_file, compile_works, init_runtime, print0, run_cli, shutdown_runtime
 from ppt.data import DataLoader, list_shards, read_shard
 from ppt.loss_eval import evaluate_bpb
 from ppt.tokenizer import Tokenizer
@@ -39,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--checkpoint", type=Path, help="a step_*.pt file (or a folder of them) instead of --model-tag")
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
     g.add_argument("--batch-size", type=int, default=8, help="rows per forward, for bpb and lm-eval (default 8)")
+    g.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the bpb forward (auto: on CUDA); lm-eval's varying shapes always run eager",
+    )
     g = p.add_argument_group("bits per byte")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default: the run's data dir, else the default)")
     g.add_argument("--eval-tokens", type=float, default=10_485_760, help="val tokens to score (default 10M)")
@@ -166,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(args.eval_tokens)
     n_batches = -(-min(budget // (seq_len * rt.world_size), val.rows_per_rank) // args.batch_size)
     batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
-    bpb = evaluate_bpb(model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
+    use_compile = args.compile == "on" or (args.compile == "auto" and rt.device.type == "cuda")
+    bpb_model = torch.compile(model) if use_compile and compile_works(rt.device) else model
+    bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
     bench = None if args.skip_tasks else benchmark(args, model, tokenizer, data_dir, rt.device, rt.dtype)
 
     if rt.is_master:

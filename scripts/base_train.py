@@ -13,6 +13,7 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -175,7 +176,8 @@ def train(args: argparse.Namespace) -> None:
     if args.benchmark:
         args.eval_every = args.save_every = 0
     use_compile = args.compile == "on" or (args.compile == "auto" and rt.device.type == "cuda")
-    train_model = torch.compile(model) if use_compile and compile_works(rt.device) else model
+    compiled_model = torch.compile(model) if use_compile and compile_works(rt.device) else model
+    train_model = compiled_model
     if rt.distributed:
         train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
 
@@ -224,14 +226,22 @@ def train(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
-    def agreed_stop_signal() -> int:
-        """The signal to stop on (0: none), the same on every rank. Ranks can receive a signal in different steps;
-        one that stopped alone would leave the others waiting forever in their next all-reduce."""
-        if not rt.distributed:
-            return stop_signal[0] if stop_signal else 0
-        stop = torch.tensor(stop_signal[:1] or [0], device=rt.device)
-        torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
-        return int(stop.item())
+    def sync_step(train_loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, bool, int]:
+        """The step's one host sync: (loss averaged over ranks, finite loss and gradient, signal to stop on or 0).
+        Ranks can receive a signal in different steps; the flags ride on the loss all-reduce so that every rank
+        stops after the same step (one that stopped alone would leave the others waiting in their next all-reduce).
+        """
+        stats = torch.stack([train_loss, grad_norm.float()])
+        flags = [float(sig in stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)]
+        if rt.distributed:
+            stats = torch.cat([stats, torch.tensor(flags, device=rt.device)])
+            torch.distributed.all_reduce(stats)  # summed: the loss is divided by the world size below
+            loss_sum, norm_sum, *flags = stats.tolist()
+        else:
+            loss_sum, norm_sum = stats.tolist()
+        loss = loss_sum / rt.world_size
+        stop = signal.SIGTERM if flags[0] else signal.SIGINT if flags[1] else 0
+        return loss, math.isfinite(loss) and math.isfinite(norm_sum), int(stop)
 
     def save(step: int) -> None:
         if rt.is_master:
@@ -261,7 +271,7 @@ def train(args: argparse.Namespace) -> None:
             rt.device,
             expected_fingerprint=tokenizer.fingerprint,
         )
-        result = evaluate_bpb(model, val_loader.val_batches(int(args.eval_tokens)), token_bytes, rt.dtype)
+        result = evaluate_bpb(compiled_model, val_loader.val_batches(int(args.eval_tokens)), token_bytes, rt.dtype)
         print0(
             f"step {step:6d} | val nll {result['nll']:.4f} | val bpb {result['bpb']:.4f} ({result['tokens']} tokens)"
         )
@@ -269,11 +279,18 @@ def train(args: argparse.Namespace) -> None:
         return result
 
     # ---- the loop ---------------------------------------------------------------------------------------------
+    # One host sync per step, after backward: the GPU never waits for the host between steps, and the step time is
+    # the time between consecutive syncs.
     step = start_step
     train_iter = iter(train_loader)
     last_saved = start_step
-    while not (stopping := agreed_stop_signal()) and step < last_step:
-        t0 = time.perf_counter()
+    stopping = 0
+    optimizer_times: list[Callable[[], float]] = []  # benchmark mode: read at the end, so timing never waits
+    last_sync = time.perf_counter()
+    while step < last_step:
+        if stop_signal and not rt.distributed:  # a lone process stops before it starts another step
+            stopping = stop_signal[0]
+            break
         set_lr(optimizer, lr_multiplier(step, total_steps, warmup_steps, args.schedule))
         loss_sum = torch.zeros((), device=rt.device)
         data_time = 0.0
@@ -288,11 +305,10 @@ def train(args: argparse.Namespace) -> None:
             (loss / grad_accum).backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        train_loss = loss_sum / grad_accum
-        if rt.distributed:
-            torch.distributed.all_reduce(train_loss, op=torch.distributed.ReduceOp.AVG)
-        loss_value = train_loss.item()  # one host sync per step: the step takes far longer than the sync
-        if not (math.isfinite(loss_value) and torch.isfinite(grad_norm)):
+        loss_value, finite, stopping = sync_step(loss_sum / grad_accum, grad_norm)
+        now = time.perf_counter()
+        dt, last_sync = now - last_sync, now
+        if not finite:
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
             if skipped > args.skip_nonfinite:
@@ -303,18 +319,16 @@ def train(args: argparse.Namespace) -> None:
                 )
             warn0(f"step {step + 1}: non-finite loss/gradient, step skipped ({skipped}/{args.skip_nonfinite})")
             step += 1
+            if stopping:
+                break
             continue
-        t_opt = time.perf_counter()
-        optimizer.step()
+        if args.benchmark:
+            optimizer_times.append(timed(optimizer.step, rt.device))
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if args.benchmark and rt.device.type == "cuda":
-            torch.cuda.synchronize()
-        opt_time = time.perf_counter() - t_opt
         step += 1
         tokens_seen += total_batch
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
         tok_per_s = total_batch / dt
         mfu = flops["mfu"] * tok_per_s / (peak * rt.world_size) if peak else None
         report.log_step(
@@ -325,7 +339,6 @@ def train(args: argparse.Namespace) -> None:
             tok_per_s=tok_per_s,
             step_time=dt,
             data_time=data_time,
-            **({"optimizer_time": opt_time} if args.benchmark else {}),
             **({"mfu": mfu} if mfu is not None else {}),
         )
         if step % args.log_every == 0 or step == last_step:
@@ -336,16 +349,23 @@ def train(args: argparse.Namespace) -> None:
             )
             if wandb_run:
                 wandb_run.log(report.history[-1], step=step)
+        if stopping:
+            break
         if args.eval_every and step % args.eval_every == 0 and step < last_step:
             evaluate(step)
+            last_sync = time.perf_counter()  # evaluation time is not the next step's
         if args.save_every and step % args.save_every == 0 and step < last_step:
             save(step)
             last_saved = step
+            last_sync = time.perf_counter()
         if step % 50 == 0:
             report.write()
 
     if args.benchmark:
-        print0("benchmark " + json.dumps(benchmark_summary(report.history, rt, flops, peak, n_params)))
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()  # the last optimizer step's events
+        summary = benchmark_summary(report.history, [read() for read in optimizer_times], rt, flops, peak, n_params)
+        print0("benchmark " + json.dumps(summary))
         shutdown_runtime()
         return
 
@@ -378,7 +398,24 @@ def train(args: argparse.Namespace) -> None:
     shutdown_runtime()
 
 
-def benchmark_summary(history: list[dict], rt: object, flops: dict, peak: float | None, n_params: int) -> dict:
+def timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:
+    """Run fn; return a function that gives its duration in seconds. On CUDA it is the GPU time between two events,
+    read later, so that timing never makes the host wait for the GPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - t0
+        return lambda: elapsed
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    return lambda: start.elapsed_time(end) / 1000
+
+
+def benchmark_summary(
+    history: list[dict], optimizer_times: list[float], rt: object, flops: dict, peak: float | None, n_params: int
+) -> dict:
     """Mean throughput and phase times over the steps after the first five (compilation and warm-up)."""
     steps = [h for h in history if "step_time" in h][5:]
     if not steps:
@@ -392,7 +429,7 @@ def benchmark_summary(history: list[dict], rt: object, flops: dict, peak: float 
         "tok_per_s": tok_per_s,
         "step_time_s": step_time,
         "data_share": mean("data_time") / step_time,
-        "optimizer_share": mean("optimizer_time") / step_time,
+        "optimizer_share": sum(optimizer_times[5:]) / len(optimizer_times[5:]) / step_time,
         "flops_per_token": flops["mfu"],
         "flops_per_token_6n": flops["6n"],
     }

@@ -3,9 +3,11 @@
 # 262,144-token steps of 4096-token rows, synthetic data for both. The seed script is not part of ppt: copy it (and
 # its gen_bin_data.py and wandb_stub/) into .ref/ first.
 #   bash scripts/bench_multiscreen_e2e.sh 16        # Psi = 16; also 24, 32
+#   bash scripts/bench_multiscreen_e2e.sh 24 2      # the seed in 2 micro-batches (one of 262,144 tokens won't fit)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 psi="$1"
+seed_accum="${2:-1}"
 out="${TMPDIR:-/tmp}/ms_e2e_d${psi}"
 mkdir -p "$out"
 
@@ -13,12 +15,12 @@ echo "== ppt multiscreen-d${psi} =="
 python3 -m scripts.bench_train --config "multiscreen-d${psi}" --seq-len 4096 --device-batch-size 32 \
     --total-batch-tokens 262144 --optimizer aurora --steps 12 --out "$out/ppt.json" 2>&1 | tail -4 || true
 
-echo "== seed script, DEPTH=${psi} =="
+echo "== seed script, DEPTH=${psi}, GRAD_ACCUM_STEPS=${seed_accum} =="
 [ -f .ref/multiscreen_gist.py ] || { echo "no .ref/multiscreen_gist.py: seed baseline skipped"; exit 0; }
 data="${TMPDIR:-/tmp}/seed_data"
 [ -d "$data" ] || python3 .ref/gen_bin_data.py "$data"
 DATA_PATH="$data" TRAIN_FILES="fineweb_train_*.bin" VAL_FILES="fineweb_val_*.bin" DEPTH="$psi" TRAIN_STEPS=12 \
-    TRAIN_BATCH_SIZE=262144 GRAD_ACCUM_STEPS=1 TRAIN_MAX_SEQ_LEN=4096 VAL_TOKENS=262144 VAL_BATCH_SIZE=262144 \
+    TRAIN_BATCH_SIZE=262144 GRAD_ACCUM_STEPS="$seed_accum" TRAIN_MAX_SEQ_LEN=4096 VAL_TOKENS=262144 VAL_BATCH_SIZE=262144 \
     VAL_PERIOD=1000 KERNEL_WARMUP_TRAIN_STEPS=3 KERNEL_WARMUP_VAL_STEPS=1 PYTHONPATH=.ref/wandb_stub \
     python3 .ref/multiscreen_gist.py > "$out/seed.log" 2>&1 || { tail -20 "$out/seed.log"; exit 1; }
 python3 - "$out/seed.log" <<'PY'

@@ -42,10 +42,12 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer(backend, f"synthetic-{vocab_size}", is_demo=True)
 
 
-def write_synthetic_data(directory: Path, vocab_size: int, train_tokens: int, mean_doc_len: int, seed: int) -> None:
+def write_synthetic_data(
+    directory: Path, vocab_size: int, train_tokens: int, mean_doc_len: int, seed: int, val_tokens: int | None = None
+) -> None:
     tokenizer = synthetic_tokenizer(vocab_size)
     rng = np.random.default_rng(seed)
-    for split, n in (("train", train_tokens), ("val", max(train_tokens // 16, 65_536))):
+    for split, n in (("train", train_tokens), ("val", val_tokens or max(train_tokens // 16, 65_536))):
         tokens = rng.integers(1, vocab_size, size=n, dtype=np.int64)
         doc_ends = np.cumsum(rng.exponential(mean_doc_len, size=n // max(mean_doc_len // 4, 1)).astype(np.int64) + 1)
         tokens[doc_ends[doc_ends < n]] = 0

@@ -2,14 +2,18 @@
 
     python -m scripts.profile_step --config multiscreen-d16 --seq-len 4096 --batch-size 16 --optimizer aurora
 
-Random tokens with documents of 1024 tokens; compile on. Prints the kernels that take the most device time.
+Random tokens with documents of 1024 tokens; compile on. Prints the kernels that take the most device time, then
+device time per kind of kernel (matmul, attention, fused elementwise, optimizer, ...) against the step's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from ppt.common import init_runtime, run_cli
@@ -49,13 +53,43 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(3):  # compile and warm up
         step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
+    steps = 2
     with profile(activities=activities) as prof:
-        for _ in range(2):
+        t0 = time.perf_counter()
+        for _ in range(steps):
             step()
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
     sort = "cuda_time_total" if rt.device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=70))
+    if rt.device.type == "cuda":
+        print_kernel_kinds(prof, steps, wall)
+
+
+KERNEL_KINDS = [  # first match wins
+    ("attention", r"flex|attn|attention|fmha|flash|screening"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|mm_"),
+    ("optimizer", r"adam|foreach|multi_tensor|muon|aurora|newton"),
+    ("communication", r"nccl"),
+    ("fused elementwise (inductor)", r"^triton_"),
+    ("copies and fills", r"memcpy|memset|copy|fill"),
+]
+
+
+def print_kernel_kinds(prof: profile, steps: int, wall: float) -> None:
+    """Device time per step by kind of kernel, and the share of the step's wall time no kernel ran in."""
+    per_kind: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(event, "self_device_time_total", None) or event.self_cuda_time_total
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, event.key, re.I)), "other")
+        per_kind[kind] = per_kind.get(kind, 0.0) + us / 1e6 / steps
+    busy = sum(per_kind.values())
+    print(f"\nstep wall time {1000 * wall:.1f} ms; kernels {1000 * busy:.1f} ms ({100 * busy / wall:.1f}%)")
+    for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:32s} {1000 * seconds:8.1f} ms  {100 * seconds / wall:5.1f}%")
 
 
 if __name__ == "__main__":

@@ -260,3 +260,30 @@ def test_multiscreen_sizes():
         model = build_model(config)
     per_layer = 24 * (2 * 16 * 576 + 3 * 64 * 576) + 3 * 24
     assert sum(p.numel() for p in model.parameters()) == 49152 * 576 + 24 * per_layer + 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+def test_multiscreen_triton_path_gives_the_reference_loss_on_gpu(monkeypatch, dtype, tol):
+    """The whole model, once through the Triton screening op and once through the plain-PyTorch reference."""
+    import ppt.model
+    from ppt.kernels.screening import screening_reference
+
+    model = widely_connected("multiscreen-tiny").cuda()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))  # fresh inputs on every run
+    idx = torch.randint(1, model.config.vocab_size, (2, 257), generator=g).cuda()
+    doc_pos = torch.cat([torch.arange(n) for n in (40, 150, 66)]).int().expand(2, -1).contiguous().cuda()
+
+    def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(idx[:, :-1], idx[:, 1:], doc_pos)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    triton_loss, triton_grads = loss_and_grads()
+    monkeypatch.setattr(ppt.model, "screening", screening_reference)
+    reference_loss, reference_grads = loss_and_grads()
+    torch.testing.assert_close(triton_loss, reference_loss, rtol=tol, atol=0)
+    for ours, ref in zip(triton_grads, reference_grads):
+        torch.testing.assert_close(ours, ref, rtol=tol, atol=tol * ref.abs().max().item())

@@ -1,0 +1,77 @@
+"""Validation bits-per-byte throughput: `evaluate_bpb` over a token budget, the code base_eval and base_train run.
+
+    python -m scripts.bench_bpb --config smollm-360m --eval-tokens 10485760 --batch-size 16,32 --compile on,off
+
+Randomly initialised weights (the time does not depend on them) and synthetic val shards (uniform random tokens,
+documents of exponentially distributed length), so nothing is downloaded. Each variant first scores one batch to
+compile and warm up, then the whole budget, timed; prints one markdown row per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ppt.common import compile_works, init_runtime, run_cli
+from ppt.data import DataLoader
+from ppt.loss_eval import evaluate_bpb
+from ppt.model import build_model, get_config
+from scripts.bench_train import synthetic_tokenizer, write_synthetic_data
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="smollm-360m")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", default="16", help="comma list of rows per forward")
+    p.add_argument("--eval-tokens", type=float, default=10_485_760)
+    p.add_argument("--compile", default="on", help="comma list of on/off")
+    p.add_argument("--mean-doc-len", type=int, default=1024)
+    args = p.parse_args(argv)
+
+    rt = init_runtime()
+    config = get_config(args.config)
+    budget = int(args.eval_tokens)
+    with torch.device("meta"):
+        model = build_model(config)
+    model.to_empty(device=rt.device)
+    model.init_weights()
+    token_bytes = synthetic_tokenizer(config.vocab_size).token_bytes().to(rt.device)
+    print(
+        f"{args.config}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {budget:,} val tokens, "
+        f"{rt.device} {str(rt.dtype).removeprefix('torch.')}, torch {torch.__version__}",
+        flush=True,
+    )
+    rows = [
+        "| config | compile | batch | tokens | warm-up s | seconds | tok/s | bpb |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = Path(tmp)
+        write_synthetic_data(data_dir, config.vocab_size, 65_536, args.mean_doc_len, seed=0, val_tokens=budget + 1)
+        for compile_mode, batch in itertools.product(args.compile.split(","), args.batch_size.split(",")):
+            torch.compiler.reset()
+            scored = torch.compile(model) if compile_mode == "on" and compile_works(rt.device) else model
+            loader = DataLoader(data_dir, "val", int(batch), args.seq_len, device=rt.device)
+            t0 = time.perf_counter()
+            evaluate_bpb(scored, loader.val_batches(int(batch) * args.seq_len), token_bytes, rt.dtype)
+            warm = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            result = evaluate_bpb(scored, loader.val_batches(budget), token_bytes, rt.dtype)  # ends in a host sync
+            seconds = time.perf_counter() - t0
+            row = (
+                f"| {args.config} | {compile_mode} | {batch} | {result['tokens']:,} | {warm:.1f} | {seconds:.2f} | "
+                f"{result['tokens'] / seconds:,.0f} | {result['bpb']:.4f} |"
+            )
+            rows.append(row)
+            print(row, flush=True)
+    print("\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    run_cli(main)
