@@ -3,17 +3,22 @@
 # 262,144-token steps of 4096-token rows, synthetic data for both. The seed script is not part of ppt: copy it (and
 # its gen_bin_data.py and wandb_stub/) into .ref/ first.
 #   bash scripts/bench_multiscreen_e2e.sh 16        # Psi = 16; also 24, 32
-#   bash scripts/bench_multiscreen_e2e.sh 24 2      # the seed in 2 micro-batches (one of 262,144 tokens won't fit)
+#   bash scripts/bench_multiscreen_e2e.sh 24 4      # the seed in 4 micro-batches (one of 262,144 tokens won't fit)
+#   bash scripts/bench_multiscreen_e2e.sh 24 4 seed # only the seed (or: ppt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 psi="$1"
 seed_accum="${2:-1}"
+which="${3:-both}"
 out="${TMPDIR:-/tmp}/ms_e2e_d${psi}"
 mkdir -p "$out"
 
-echo "== ppt multiscreen-d${psi} =="
-python3 -m scripts.bench_train --config "multiscreen-d${psi}" --seq-len 4096 --device-batch-size 32 \
-    --total-batch-tokens 262144 --optimizer aurora --steps 12 --out "$out/ppt.json" 2>&1 | tail -4 || true
+if [ "$which" != seed ]; then
+    echo "== ppt multiscreen-d${psi} =="
+    python3 -m scripts.bench_train --config "multiscreen-d${psi}" --seq-len 4096 --device-batch-size 32 \
+        --total-batch-tokens 262144 --optimizer aurora --steps 12 --out "$out/ppt.json" 2>&1 | tail -4 || true
+fi
+[ "$which" != ppt ] || exit 0
 
 echo "== seed script, DEPTH=${psi}, GRAD_ACCUM_STEPS=${seed_accum} =="
 [ -f .ref/multiscreen_gist.py ] || { echo "no .ref/multiscreen_gist.py: seed baseline skipped"; exit 0; }
