@@ -37,3 +37,21 @@ def test_flex_path_matches_dense_reference_with_gqa():
     # one document per row is plain causal attention
     single = torch.arange(T, dtype=torch.int32).expand(B, T)
     torch.testing.assert_close(attention(q, k, v, document_mask(single, flex=False)), attention(q, k, v, None))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_model_gives_the_eager_loss_with_and_without_grad_on_gpu():
+    """Compiled on CUDA, training forwards mask with FlexAttention and no-grad forwards with the dense mask."""
+    from ppt.model import build_model, get_config
+
+    torch.manual_seed(0)
+    model = build_model(get_config("tiny")).cuda()
+    model.init_weights()
+    idx = torch.randint(1, model.config.vocab_size, (2, 129), device="cuda")
+    doc_pos = random_doc_pos(2, 128, torch.Generator().manual_seed(1)).cuda()
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    eager = model(inputs, targets, doc_pos).detach()
+    compiled = torch.compile(model)
+    torch.testing.assert_close(compiled(inputs, targets, doc_pos).detach(), eager, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(inputs, targets, doc_pos), eager, rtol=1e-4, atol=1e-4)

@@ -4,8 +4,8 @@ Token t of a packed row sees key s iff t - doc_pos[t] <= s <= t (its own documen
 the same thing:
 - `reference`: SDPA with a dense boolean (B, 1, T, T) mask. Runs anywhere; it reads the whole mask and cannot skip
   work, so it is the CPU path and the correctness oracle.
-- FlexAttention (CUDA, inside torch.compile): a block-sparse mask built once per batch; tiles wholly outside a
-  document are skipped and tiles wholly inside one run unmasked.
+- FlexAttention (CUDA, inside torch.compile, training): a block-sparse mask built once per batch; tiles wholly
+  outside a document are skipped and tiles wholly inside one run unmasked.
 Plain causal rows (doc_pos None) go to SDPA's causal flash kernel on every device.
 
 Call `document_mask(doc_pos)` once per forward and pass its result to `attention` in every layer.
@@ -26,12 +26,15 @@ except ImportError:  # pragma: no cover - older torch: the reference path only
 def document_mask(doc_pos: Tensor | None, flex: bool | None = None) -> Tensor | BlockMask | None:
     """The per-batch mask: None (plain causal), a FlexAttention BlockMask, or a boolean (B, 1, T, T) tensor.
 
-    `flex=None` picks FlexAttention on CUDA under torch.compile (eager FlexAttention is slow) and the dense mask
-    elsewhere."""
+    `flex=None` picks FlexAttention for training on CUDA under torch.compile (eager FlexAttention is slow) and the
+    dense mask elsewhere. Forwards without autograd (evaluation) take the dense mask too: FlexAttention's
+    inference-only kernels hit an illegal memory access on an H200 under torch 2.11 (SmolLM-360M, 16 x 2048 rows)."""
     if doc_pos is None:
         return None
     if flex is None:
-        flex = flex_attention is not None and doc_pos.is_cuda and torch.compiler.is_compiling()
+        flex = (
+            flex_attention is not None and doc_pos.is_cuda and torch.compiler.is_compiling() and torch.is_grad_enabled()
+        )
     B, T = doc_pos.shape
     doc_start = torch.arange(T, device=doc_pos.device) - doc_pos.long()
     if flex:
