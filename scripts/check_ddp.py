@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--device-batch-size", type=int, default=4)
     p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--lr", type=float, help="peak LR (default: the optimizer's); on random tokens a rising loss "
+                   "amplifies every rounding difference, so pick one at which the loss falls")  # fmt: skip
     p.add_argument("--compile", default="off", help="on/off for every run (off: the check is about DDP, not speed)")
     p.add_argument("--tolerance", type=float, default=1e-3, help="largest allowed |loss difference| per step")
     args = p.parse_args(argv)
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             "--total-batch-tokens", str(total_batch), "--optimizer", args.optimizer, "--compile", args.compile,
             "--target-tokens", str(total_batch * args.steps), "--warmup-tokens", str(total_batch * 2),
             "--eval-every", "0", "--eval-tokens", str(args.seq_len * args.nproc), "--save-every", "0", "--keep", "0",
+            *(["--lr", str(args.lr)] if args.lr else []),
         ]  # fmt: skip
         half = args.steps // 2
         run([sys.executable, *common, "--tag", "one", "--out-dir", str(tmp / "one")], env)
