@@ -26,6 +26,7 @@ def random_doc_pos(B: int, T: int, generator: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.skipif(flex_attention is None, reason="FlexAttention needs torch >= 2.5")
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose: CPU oracle
 def test_flex_path_matches_dense_reference_with_gqa():
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, T, D = 2, 4, 2, 160, 16  # T not a multiple of the 128-token block
