@@ -142,6 +142,12 @@ def compile_works(device: torch.device) -> bool:
         return False
 
 
+def maybe_compile(module: torch.nn.Module, choice: str, device: torch.device) -> torch.nn.Module:
+    """torch.compile(module) for choice "on", or "auto" on CUDA, where the toolchain works; else module itself."""
+    wanted = choice == "on" or (choice == "auto" and device.type == "cuda")
+    return torch.compile(module) if wanted and compile_works(device) else module
+
+
 def run_cli(main: Callable[[], object]) -> None:
     """A script's entry point: a PPTError becomes one `error:` line on stderr and exit status 2, not a traceback."""
     try:

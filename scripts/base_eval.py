@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ppt.common import PPTError, atomic_file, compile_works, init_runtime, print0, run_cli, shutdown_runtime
+from ppt.common import PPTError, atomic_file, init_runtime, maybe_compile, print0, run_cli, shutdown_runtime
 from ppt.data import DataLoader, list_shards, read_shard
 from ppt.loss_eval import evaluate_bpb
 from ppt.tokenizer import Tokenizer
@@ -172,8 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(args.eval_tokens)
     n_batches = -(-min(budget // (seq_len * rt.world_size), val.rows_per_rank) // args.batch_size)
     batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
-    use_compile = args.compile == "on" or (args.compile == "auto" and rt.device.type == "cuda")
-    bpb_model = torch.compile(model) if use_compile and compile_works(rt.device) else model
+    bpb_model = maybe_compile(model, args.compile, rt.device)
     bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
     bench = None if args.skip_tasks else benchmark(args, model, tokenizer, data_dir, rt.device, rt.dtype)
 

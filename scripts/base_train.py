@@ -21,7 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ppt import checkpoint as ckpt
-from ppt.common import PPTError, cache_dir, compile_works, init_runtime, print0, run_cli, shutdown_runtime, warn0
+from ppt.common import PPTError, cache_dir, init_runtime, maybe_compile, print0, run_cli, shutdown_runtime, warn0
 from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
 from ppt.flops import mfu_flops_per_token, peak_flops
 from ppt.loss_eval import autocast, evaluate_bpb
@@ -175,8 +175,8 @@ def train(args: argparse.Namespace) -> None:
     # ---- compile and DDP --------------------------------------------------------------------------------------
     if args.benchmark:
         args.eval_every = args.save_every = 0
-    use_compile = args.compile == "on" or (args.compile == "auto" and rt.device.type == "cuda")
-    compiled_model = torch.compile(model) if use_compile and compile_works(rt.device) else model
+    compiled_model = maybe_compile(model, args.compile, rt.device)
+    use_compile = compiled_model is not model
     train_model = compiled_model
     if rt.distributed:
         train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
@@ -279,8 +279,8 @@ def train(args: argparse.Namespace) -> None:
         return result
 
     # ---- the loop ---------------------------------------------------------------------------------------------
-    # One host sync per step, after backward: the GPU never waits for the host between steps, and the step time is
-    # the time between consecutive syncs.
+    # One host sync per step, after backward, and none at its end: the host queues the next step while the GPU
+    # runs this one's optimizer. The step time is the time between consecutive syncs.
     step = start_step
     train_iter = iter(train_loader)
     last_saved = start_step

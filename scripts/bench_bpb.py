@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ppt.common import compile_works, init_runtime, run_cli
+from ppt.common import init_runtime, maybe_compile, run_cli
 from ppt.data import DataLoader
 from ppt.loss_eval import evaluate_bpb
 from ppt.model import build_model, get_config
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         write_synthetic_data(data_dir, config.vocab_size, 65_536, args.mean_doc_len, seed=0, val_tokens=budget + 1)
         for compile_mode, batch in itertools.product(args.compile.split(","), args.batch_size.split(",")):
             torch.compiler.reset()
-            scored = torch.compile(model) if compile_mode == "on" and compile_works(rt.device) else model
+            scored = maybe_compile(model, compile_mode, rt.device)
             loader = DataLoader(data_dir, "val", int(batch), args.seq_len, device=rt.device)
             t0 = time.perf_counter()
             evaluate_bpb(scored, loader.val_batches(int(batch) * args.seq_len), token_bytes, rt.dtype)
