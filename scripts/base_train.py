@@ -27,6 +27,7 @@ from ppt.flops import mfu_flops_per_token, peak_flops
 from ppt.loss_eval import autocast, evaluate_bpb
 from ppt.model import CONFIGS, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
+from ppt.profiling import StepProfiler
 from ppt.report import RunReport
 
 
@@ -73,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="measure instead of train for keeps: no checkpoints or evals, a synchronized phase breakdown per step, "
         "a JSON summary at the end (steps after the first 5 count)",
+    )
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler over steps 7-9 of this loop: prints where their time went (they run slower for it)",
     )
     return p.parse_args(argv)
 
@@ -286,8 +292,11 @@ def train(args: argparse.Namespace) -> None:
     last_saved = start_step
     stopping = 0
     optimizer_times: list[Callable[[], float]] = []  # benchmark mode: read at the end, so timing never waits
+    profiler = StepProfiler(rt.device, first=5, steps=3) if args.profile and rt.is_master else None
     last_sync = time.perf_counter()
     while step < last_step:
+        if profiler:
+            profiler.step()  # an iteration boundary
         if stop_signal and not rt.distributed:  # a lone process stops before it starts another step
             stopping = stop_signal[0]
             break
@@ -360,6 +369,8 @@ def train(args: argparse.Namespace) -> None:
             last_sync = time.perf_counter()
         if step % 50 == 0:
             report.write()
+    if profiler:
+        profiler.stop()
 
     if args.benchmark:
         if rt.device.type == "cuda":

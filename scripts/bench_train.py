@@ -2,6 +2,7 @@
 
     python -m scripts.bench_train --config smollm-360m --device-batch-size 16 --compile on,off
     python -m scripts.bench_train --config multiscreen-d16 --seq-len 4096 --optimizer aurora --doc-masks on
+    python -m scripts.bench_train --config smollm-360m --steps 12 --profile    # and where the real step's time goes
 
 Each variant runs `scripts.base_train --benchmark` in a fresh process on a synthetic data directory (uniform random
 tokens, documents of exponentially distributed length separated by EOT, a byte-level vocabulary of the config's
@@ -78,7 +79,8 @@ def write_synthetic_data(
     )
 
 
-def run_variant(base_args: list[str], extra: list[str], nproc: int) -> dict:
+def run_variant(base_args: list[str], extra: list[str], nproc: int) -> tuple[dict, str]:
+    """The benchmark summary of one base_train run, and its stdout."""
     launcher = (
         [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     )
@@ -88,8 +90,8 @@ def run_variant(base_args: list[str], extra: list[str], nproc: int) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("benchmark ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        return {"error": f"exit {proc.returncode}"}
-    return json.loads(lines[-1].removeprefix("benchmark "))
+        return {"error": f"exit {proc.returncode}"}, proc.stdout
+    return json.loads(lines[-1].removeprefix("benchmark ")), proc.stdout
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,6 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nproc", type=int, default=1, help="GPUs: more than 1 launches through torchrun (DDP)")
     p.add_argument("--vocab-size", type=int, default=49152)
     p.add_argument("--mean-doc-len", type=int, default=1024)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each variant, one more run under torch.profiler (steps 7-9): prints where the step's time goes",
+    )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -146,10 +153,13 @@ def main(argv: list[str] | None = None) -> None:
                 "device_batch": args.device_batch_size,
                 "total_batch": total_batch,
                 "optimizer": args.optimizer,
-                **run_variant(base, extra, args.nproc),
+                **run_variant(base, extra, args.nproc)[0],
             }
             results.append(result)
             print(format_row(result), flush=True)
+            if args.profile:  # a run of its own: the profiled steps are slower, so they stay out of the figures
+                _, stdout = run_variant(base, [*extra, "--profile"], args.nproc)
+                print("\n".join(line for line in stdout.splitlines() if not line.startswith(("step ", "benchmark "))))
     print("\n| config | compile | doc masks | tok/s | MFU | MFU (6N) | step s | data | optimizer | peak GB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -27,3 +27,11 @@ def test_benchmark_mode_measures_without_touching_run_outputs(demo_data_dir, tmp
 def test_benchmark_needs_steps_after_warmup(demo_data_dir, tmp_path):
     with pytest.raises(PPTError, match="more than 5 steps"):
         main(benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=3))
+
+
+def test_profile_prints_where_the_recorded_steps_spent_their_time(demo_data_dir, tmp_path, capsys):
+    main([*benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=10), "--profile"])
+    out = capsys.readouterr().out
+    assert "aten::mm" in out.split("wall time per iteration")[0]  # the op table comes first
+    assert "over 3 recorded" in out
+    assert json.loads(out.split("benchmark ", 1)[1])["steps_measured"] == 5

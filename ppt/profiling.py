@@ -1,0 +1,79 @@
+"""torch.profiler over a few iterations of the real training loop, and where their time went.
+
+`StepProfiler(device, first, steps)` records `steps` loop iterations after `first` others and one warm-up; call its
+`step()` at the end of every iteration and `stop()` after the loop. When the recorded iterations are done it prints
+the kernels (CUDA) or ops (CPU) that took the most time and, on CUDA, device time per kind of kernel against the
+iterations' wall time, so that time in which no kernel ran shows up too.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
+
+KERNEL_KINDS = [  # first match wins
+    ("attention", r"flex|attn|attention|fmha|flash|screening"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|mm_"),
+    ("optimizer", r"adam|foreach|multi_tensor|muon|aurora|newton"),
+    ("communication", r"nccl"),
+    ("fused elementwise (inductor)", r"^triton_"),
+    ("copies and fills", r"memcpy|memset|copy|fill"),
+]
+
+
+class StepProfiler:
+    def __init__(self, device: torch.device, first: int, steps: int, rows: int = 30) -> None:
+        self.cuda = device.type == "cuda"
+        self.steps, self.rows = steps, rows
+        self.recording_since: float | None = None
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.profiler = profile(
+            activities=activities,
+            schedule=schedule(skip_first=first, wait=0, warmup=1, active=steps, repeat=1),
+            on_trace_ready=self._report,
+        )
+        self.profiler.start()
+
+    def step(self) -> None:
+        """The end of one loop iteration."""
+        self.profiler.step()
+        recording = self.profiler.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+        if recording and self.recording_since is None:
+            self._synchronize()
+            self.recording_since = time.perf_counter()
+
+    def stop(self) -> None:
+        self.profiler.stop()
+
+    def _synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _report(self, prof: profile) -> None:
+        self._synchronize()
+        wall = (time.perf_counter() - self.recording_since) / self.steps
+        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=self.rows, max_name_column_width=70), flush=True)
+        print(f"wall time per iteration: {1000 * wall:.1f} ms over {self.steps} recorded", flush=True)
+        if self.cuda:
+            print(kernel_time_by_kind(prof, self.steps, wall), flush=True)
+
+
+def kernel_time_by_kind(prof: profile, steps: int, wall: float) -> str:
+    """Device time per iteration by kind of kernel, and its share of the iteration's wall time."""
+    per_kind: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(event, "self_device_time_total", None) or event.self_cuda_time_total
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, event.key, re.I)), "other")
+        per_kind[kind] = per_kind.get(kind, 0.0) + us / 1e6 / steps
+    busy = sum(per_kind.values())
+    lines = [f"kernels {1000 * busy:.1f} ms per iteration ({100 * busy / wall:.1f}% of the wall time)"]
+    for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {kind:32s} {1000 * seconds:8.1f} ms  {100 * seconds / wall:5.1f}%")
+    return "\n".join(lines)
