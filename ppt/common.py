@@ -142,10 +142,10 @@ def compile_works(device: torch.device) -> bool:
         return False
 
 
-def maybe_compile(module: torch.nn.Module, choice: str, device: torch.device) -> torch.nn.Module:
-    """torch.compile(module) for choice "on", or "auto" on CUDA, where the toolchain works; else module itself."""
+def maybe_compile(module: torch.nn.Module, choice: str, device: torch.device, mode: str = "default") -> torch.nn.Module:
+    """torch.compile(module, mode=mode) for choice "on", or "auto" on CUDA, where the toolchain works; else module."""
     wanted = choice == "on" or (choice == "auto" and device.type == "cuda")
-    return torch.compile(module) if wanted and compile_works(device) else module
+    return torch.compile(module, mode=mode) if wanted and compile_works(device) else module
 
 
 def run_cli(main: Callable[[], object]) -> None:

@@ -66,6 +66,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--run", help="wandb run name; wandb stays off without it")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="torch.compile (auto: on CUDA)")
+    g.add_argument(
+        "--compile-mode",
+        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"],
+        default="default",
+        help="torch.compile's mode for the training step (reduce-overhead: CUDA graphs)",
+    )
+    g.add_argument(
+        "--loader-prefetch",
+        type=int,
+        default=2,
+        help="batches a background thread builds ahead (0: built in the main thread, in next())",
+    )
     g.add_argument("--log-every", type=int, default=1)
     g.add_argument("--max-steps", type=int, help="stop at this step without changing the LR schedule (benchmarks)")
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
@@ -147,6 +159,7 @@ def train(args: argparse.Namespace) -> None:
         args.seed,
         rt.device,
         expected_fingerprint=tokenizer.fingerprint,
+        prefetch=args.loader_prefetch,
     )
     token_bytes = tokenizer.token_bytes().to(rt.device)
 
@@ -181,7 +194,7 @@ def train(args: argparse.Namespace) -> None:
     # ---- compile and DDP --------------------------------------------------------------------------------------
     if args.benchmark:
         args.eval_every = args.save_every = 0
-    compiled_model = maybe_compile(model, args.compile, rt.device)
+    compiled_model = maybe_compile(model, args.compile, rt.device, args.compile_mode)
     use_compile = compiled_model is not model
     train_model = compiled_model
     if rt.distributed:
@@ -208,6 +221,8 @@ def train(args: argparse.Namespace) -> None:
             "seed": args.seed,
             "dtype": str(rt.dtype),
             "compile": use_compile,
+            "compile_mode": args.compile_mode if use_compile else None,
+            "loader_prefetch": args.loader_prefetch,
         },
         params=n_params,
         flops_per_token=flops,

@@ -7,6 +7,8 @@
 Each variant runs `scripts.base_train --benchmark` in a fresh process on a synthetic data directory (uniform random
 tokens, documents of exponentially distributed length separated by EOT, a byte-level vocabulary of the config's
 size), so the numbers need no download. Prints one markdown row per variant and writes them as JSON with --out.
+Flags this script does not know go to every base_train run (for example --compile-mode reduce-overhead,
+--loader-prefetch 0, --lr 1e-3).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         help="after each variant, one more run under torch.profiler (steps 7-9): prints where the step's time goes",
     )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
-    args = p.parse_args(argv)
+    args, base_train_flags = p.parse_known_args(argv)  # the rest goes to every scripts.base_train run
 
     total_batch = args.total_batch_tokens or args.device_batch_size * args.seq_len * args.nproc
     train_tokens = total_batch * (args.steps + 1) + args.seq_len * args.device_batch_size
@@ -142,17 +144,19 @@ def main(argv: list[str] | None = None) -> None:
             str(Path(tmp) / "out"),
             "--log-every",
             "5",
+            *base_train_flags,
         ]
-        for compile_mode, masks in itertools.product(args.compile.split(","), args.doc_masks.split(",")):
-            extra = ["--compile", compile_mode] + ([] if masks == "on" else ["--no-doc-masks"])
+        for compile_choice, masks in itertools.product(args.compile.split(","), args.doc_masks.split(",")):
+            extra = ["--compile", compile_choice] + ([] if masks == "on" else ["--no-doc-masks"])
             result = {
                 "config": args.config,
-                "compile": compile_mode,
+                "compile": compile_choice,
                 "doc_masks": masks,
                 "seq_len": args.seq_len,
                 "device_batch": args.device_batch_size,
                 "total_batch": total_batch,
                 "optimizer": args.optimizer,
+                "base_train_flags": " ".join(base_train_flags),
                 **run_variant(base, extra, args.nproc)[0],
             }
             results.append(result)
