@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp)
         write_synthetic_data(data_dir, config.vocab_size, 65_536, args.mean_doc_len, seed=0, val_tokens=budget + 1)
-        for compile_mode, batch in itertools.product(args.compile.split(","), args.batch_size.split(",")):
+        for compile_choice, batch in itertools.product(args.compile.split(","), args.batch_size.split(",")):
             torch.compiler.reset()
-            scored = maybe_compile(model, compile_mode, rt.device)
+            scored = maybe_compile(model, compile_choice, rt.device)
             loader = DataLoader(data_dir, "val", int(batch), args.seq_len, device=rt.device)
             t0 = time.perf_counter()
             evaluate_bpb(scored, loader.val_batches(int(batch) * args.seq_len), token_bytes, rt.dtype)
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             result = evaluate_bpb(scored, loader.val_batches(budget), token_bytes, rt.dtype)  # ends in a host sync
             seconds = time.perf_counter() - t0
             row = (
-                f"| {args.config} | {compile_mode} | {batch} | {result['tokens']:,} | {warm:.1f} | {seconds:.2f} | "
+                f"| {args.config} | {compile_choice} | {batch} | {result['tokens']:,} | {warm:.1f} | {seconds:.2f} | "
                 f"{result['tokens'] / seconds:,.0f} | {result['bpb']:.4f} |"
             )
             rows.append(row)

@@ -81,12 +81,16 @@ def write_synthetic_data(
     )
 
 
-def run_variant(base_args: list[str], extra: list[str], nproc: int) -> tuple[dict, str]:
-    """The benchmark summary of one base_train run, and its stdout."""
-    launcher = (
+def launcher(nproc: int) -> list[str]:
+    """The command prefix that starts a module in one process, or in nproc ranks under torchrun."""
+    return (
         [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     )
-    cmd = [*launcher, "-m", "scripts.base_train", *base_args, *extra, "--benchmark"]
+
+
+def run_variant(base_args: list[str], extra: list[str], nproc: int) -> tuple[dict, str]:
+    """The benchmark summary of one base_train run, and its stdout."""
+    cmd = [*launcher(nproc), "-m", "scripts.base_train", *base_args, *extra, "--benchmark"]
     print("$", " ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("benchmark ")]

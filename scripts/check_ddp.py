@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from ppt.common import PPTError, run_cli
-from scripts.bench_train import write_synthetic_data
+from scripts.bench_train import launcher, write_synthetic_data
 
 
 def run(cmd: list[str], env: dict[str, str]) -> None:
@@ -52,7 +52,6 @@ def main(argv: list[str] | None = None) -> None:
         raise PPTError("--steps must be at least 2 (the resume run stops halfway)")
 
     total_batch = args.device_batch_size * args.seq_len * args.nproc
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}"]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = tmp / "data"
@@ -67,11 +66,11 @@ def main(argv: list[str] | None = None) -> None:
             *(["--lr", str(args.lr)] if args.lr else []),
         ]  # fmt: skip
         half = args.steps // 2
-        run([sys.executable, *common, "--tag", "one", "--out-dir", str(tmp / "one")], env)
-        run([*torchrun, *common, "--tag", "ddp", "--out-dir", str(tmp / "ddp")], env)
+        run([*launcher(1), *common, "--tag", "one", "--out-dir", str(tmp / "one")], env)
+        run([*launcher(args.nproc), *common, "--tag", "ddp", "--out-dir", str(tmp / "ddp")], env)
         resumed = [*common, "--tag", "resumed", "--out-dir", str(tmp / "resumed")]
-        run([*torchrun, *resumed, "--max-steps", str(half)], env)
-        run([*torchrun, *resumed, "--resume", "auto"], env)
+        run([*launcher(args.nproc), *resumed, "--max-steps", str(half)], env)
+        run([*launcher(args.nproc), *resumed, "--resume", "auto"], env)
         one, ddp, res = (losses(tmp / name / f"{name}.json") for name in ("one", "ddp", "resumed"))
 
     print(f"\n| step | 1 process, accum {args.nproc} | {args.nproc} ranks | difference | {args.nproc} ranks, resumed |")
