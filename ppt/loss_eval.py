@@ -31,7 +31,6 @@ def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-@torch.no_grad()
 def evaluate_bpb(
     model: nn.Module,
     batches: Iterable[tuple[Tensor, Tensor, Tensor]],
@@ -52,8 +51,8 @@ def evaluate_bpb(
             rows = rows or inputs.shape[0]
             if inputs.shape[0] < rows:  # pad a short last batch with ignored rows: a compiled model sees one shape
                 inputs, targets, doc_pos = pad_rows(inputs, targets, doc_pos, rows)
-            with autocast(inputs.device, dtype):
-                nll = model(inputs, targets, doc_pos, reduction="none")
+            with autocast(inputs.device, dtype), torch.set_grad_enabled(autograd_forward(model, inputs)):
+                nll = model(inputs, targets, doc_pos, reduction="none").detach()
             nll, targets = nll.to(sums.device, torch.float64), targets.to(sums.device)
             valid = targets >= 0
             nbytes = torch.where(valid, token_bytes[targets.clamp_min(0)], 0).double()
@@ -79,6 +78,13 @@ def evaluate_bpb(
         "tokens": int(tokens),
         "bytes": int(nbytes),
     }
+
+
+def autograd_forward(model: nn.Module, inputs: Tensor) -> bool:
+    """Whether to score with autograd on (the result detached): for a compiled model on CUDA, whose document masks
+    then run on FlexAttention's training kernels, 1.3x faster than the dense mask that no-grad forwards take
+    (see `ppt.kernels.attention.document_mask`). The graph is freed with each batch; elsewhere no grad."""
+    return inputs.is_cuda and isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 
 
 def pad_rows(

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -78,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2,
         help="batches a background thread builds ahead (0: built in the main thread, in next())",
     )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels only (slower; an op without one stops the run): identical runs, identical losses",
+    )
     g.add_argument("--log-every", type=int, default=1)
     g.add_argument("--max-steps", type=int, help="stop at this step without changing the LR schedule (benchmarks)")
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
@@ -96,16 +102,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Train; the SIGTERM/SIGINT handlers the loop installs are put back afterwards (main may run in-process)."""
+    """Train; the SIGTERM/SIGINT handlers the loop installs and the deterministic setting are put back afterwards
+    (main may run in-process)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    deterministic = torch.are_deterministic_algorithms_enabled()
     try:
         train(parse_args(argv))
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def train(args: argparse.Namespace) -> None:
+    if args.deterministic:  # before the first cuBLAS call, which reads the workspace setting
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)  # an op with no such kernel raises, naming itself
     rt = init_runtime(args.device)
     torch.manual_seed(args.seed)
 

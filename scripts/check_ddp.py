@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             "--total-batch-tokens", str(total_batch), "--optimizer", args.optimizer, "--compile", args.compile,
             "--target-tokens", str(total_batch * args.steps), "--warmup-tokens", str(total_batch * 2),
             "--eval-every", "0", "--eval-tokens", str(args.seq_len * args.nproc), "--save-every", "0", "--keep", "0",
+            "--deterministic",  # else two identical GPU runs already differ, and AdamW amplifies it on random tokens
             *(["--lr", str(args.lr)] if args.lr else []),
         ]  # fmt: skip
         half = args.steps // 2

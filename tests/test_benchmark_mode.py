@@ -35,3 +35,16 @@ def test_profile_prints_where_the_recorded_steps_spent_their_time(demo_data_dir,
     assert "aten::mm" in out.split("wall time per iteration")[0]  # the op table comes first
     assert "over 3 recorded" in out
     assert json.loads(out.split("benchmark ", 1)[1])["steps_measured"] == 5
+
+
+def test_deterministic_runs_repeat_their_losses_and_leave_the_setting_as_it_was(demo_data_dir, tmp_path, capsys):
+    import torch
+
+    def losses() -> list[str]:
+        main([*benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=6), "--deterministic", "--log-every", "1"])
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+        return [column.strip() for line in lines for column in line.split("|") if column.strip().startswith("loss")]
+
+    first, second = losses(), losses()
+    assert len(first) == 6 and first == second
+    assert not torch.are_deterministic_algorithms_enabled()

@@ -26,9 +26,10 @@ except ImportError:  # pragma: no cover - older torch: the reference path only
 def document_mask(doc_pos: Tensor | None, flex: bool | None = None) -> Tensor | BlockMask | None:
     """The per-batch mask: None (plain causal), a FlexAttention BlockMask, or a boolean (B, 1, T, T) tensor.
 
-    `flex=None` picks FlexAttention for training on CUDA under torch.compile (eager FlexAttention is slow) and the
-    dense mask elsewhere. Forwards without autograd (evaluation) take the dense mask too: FlexAttention's
-    inference-only kernels hit an illegal memory access on an H200 under torch 2.11 (SmolLM-360M, 16 x 2048 rows)."""
+    `flex=None` picks FlexAttention for forwards with autograd on CUDA under torch.compile (eager FlexAttention is
+    slow) and the dense mask elsewhere. Forwards without autograd take the dense mask too: FlexAttention's
+    inference-only kernels, compiled inside the whole model, hit an illegal memory access on an H200 under torch
+    2.11 (SmolLM-360M, 16 x 2048 rows). `evaluate_bpb` therefore scores with autograd on."""
     if doc_pos is None:
         return None
     if flex is None:
@@ -36,14 +37,14 @@ def document_mask(doc_pos: Tensor | None, flex: bool | None = None) -> Tensor | 
             flex_attention is not None and doc_pos.is_cuda and torch.compiler.is_compiling() and torch.is_grad_enabled()
         )
     B, T = doc_pos.shape
-    doc_start = torch.arange(T, device=doc_pos.device) - doc_pos.long()
     if flex:
 
         def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-            return (kv <= q) & (kv >= doc_start[b, q])
+            return (kv <= q) & (q - kv <= doc_pos[b, q])
 
         return create_block_mask(same_document_causal, B, None, T, T, device=doc_pos.device)
     keys = torch.arange(T, device=doc_pos.device)
+    doc_start = keys - doc_pos.long()
     mask = (keys.view(1, 1, T) <= keys.view(1, T, 1)) & (keys.view(1, 1, T) >= doc_start.unsqueeze(-1))
     return mask.unsqueeze(1)
 
