@@ -84,16 +84,17 @@ def main(argv: list[str] | None = None) -> None:
         help="also FlexAttention under Inductor's max-autotune (slow to compile; logs each config it times)",
     )
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise PPTError("bench_attention measures CUDA kernels and needs a GPU; run it on a CUDA machine")
     option_sets = [{}]
     for text in args.flex_options:
         try:
-            option_sets.append(json.loads(text))
-        except json.JSONDecodeError as error:
-            raise PPTError(
-                f"--flex-options {text!r} is not a JSON dict ({error}); write e.g. '{{\"BLOCK_M\": 64}}'"
-            ) from None
+            options = json.loads(text)
+        except json.JSONDecodeError:
+            options = None
+        if not isinstance(options, dict):
+            raise PPTError(f"--flex-options {text!r} is not a JSON dict; write e.g. '{{\"BLOCK_M\": 64}}'")
+        option_sets.append(options)
+    if not torch.cuda.is_available():
+        raise PPTError("bench_attention measures CUDA kernels and needs a GPU; run it on a CUDA machine")
 
     config = get_config(args.config)
     B, T, H, Hkv, D = args.batch_size, args.seq_len, config.n_head, config.n_kv_head, config.head_dim

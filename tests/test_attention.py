@@ -56,3 +56,15 @@ def test_compiled_model_gives_the_eager_loss_with_and_without_grad_on_gpu():
     torch.testing.assert_close(compiled(inputs, targets, doc_pos).detach(), eager, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         torch.testing.assert_close(compiled(inputs, targets, doc_pos), eager, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_attention_names_bad_kernel_options_and_a_missing_gpu():
+    from ppt.common import PPTError
+    from scripts.bench_attention import main
+
+    for bad in ("{BLOCK_M: 64", "[64]"):
+        with pytest.raises(PPTError, match="is not a JSON dict"):
+            main(["--flex-options", bad])
+    if not torch.cuda.is_available():
+        with pytest.raises(PPTError, match="needs a GPU"):
+            main(["--flex-options", '{"BLOCK_M": 64}'])

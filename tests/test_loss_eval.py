@@ -11,7 +11,7 @@ from torch import nn
 
 from ppt.common import PPTError
 from ppt.data import DataLoader
-from ppt.loss_eval import evaluate_bpb
+from ppt.loss_eval import autograd_forward, evaluate_bpb
 from ppt.model import LlamaConfig, build_model
 from ppt.tokenizer import train_demo_tokenizer
 
@@ -167,3 +167,21 @@ def test_val_loader_budget_with_document_boundaries(make_token_dir):
     assert result["bytes"] == 2 * int((targets != 0).sum())
     assert result["bpb"] == pytest.approx(math.log(V) / (2 * math.log(2)))
     assert all(pos is not None and int(pos.min()) == 0 for pos in model.seen_doc_pos), "doc_pos must be passed on"
+
+
+def test_scoring_off_cuda_runs_without_autograd():
+    """Only compiled models on CUDA score with autograd on (FlexAttention's training kernels); elsewhere no graph,
+    even for a compiled model."""
+    seen = []
+
+    class Recorder(FixedDistribution):
+        def forward(self, *args, **kwargs):
+            seen.append(torch.is_grad_enabled())
+            return super().forward(*args, **kwargs)
+
+    V = 4
+    model = Recorder(torch.zeros(V))
+    token_bytes = torch.ones(V, dtype=torch.int64)
+    evaluate_bpb(model, [batch([[1, 2, 3]])], token_bytes)
+    assert autograd_forward(torch.compile(model), torch.zeros(1)) is False
+    assert seen == [False]
