@@ -109,16 +109,12 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
 
-    def timings(attend: Callable[[], torch.Tensor]) -> tuple[float, float]:
-        forward = cuda_time(attend, args.iters)
-        both = cuda_time(lambda: attend().backward(grad_out), args.iters)
-        return forward, both
-
     rows = ["| path | forward ms | forward+backward ms |", "|---|---|---|"]
 
     def report(name: str, attend: Callable[[], torch.Tensor]) -> None:
         try:
-            forward, both = timings(attend)
+            forward = cuda_time(attend, args.iters)
+            both = cuda_time(lambda: attend().backward(grad_out), args.iters)
             rows.append(f"| {name} | {1000 * forward:.3f} | {1000 * both:.3f} |")
         except Exception as error:  # a backend that does not run here is a row, not the end of the benchmark
             rows.append(f"| {name} | failed: {type(error).__name__}: {str(error)[:80]} | |")
