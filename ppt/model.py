@@ -48,6 +48,13 @@ def roles_by_shape(model: nn.Module, embedding: str) -> dict[str, str]:
     }
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm computed in fp32 whatever the input's dtype: the residual stream is bf16 under autocast."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float())
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -97,13 +104,16 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.rms_eps)
+        self.attn_norm = RMSNorm(config.d_model, eps=config.rms_eps)
         self.attn = CausalSelfAttention(config)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.rms_eps)
+        self.mlp_norm = RMSNorm(config.d_model, eps=config.rms_eps)
         self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: object) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        h = self.attn(self.attn_norm(x), cos, sin, mask)
+        # The residual stream takes the branches' dtype: under autocast bf16, half the bytes of fp32 in the step's
+        # largest elementwise traffic (adds and norms over every layer); without autocast fp32, as before.
+        x = x.to(h.dtype) + h
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -113,7 +123,7 @@ class Llama(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = nn.RMSNorm(config.d_model, eps=config.rms_eps)
+        self.norm = RMSNorm(config.d_model, eps=config.rms_eps)
         # Non-persistent: recomputed from the config, so checkpoints hold weights only and meta builds stay cheap.
         cos, sin = self._rope_tables(self.embed.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -46,12 +46,24 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def write_synthetic_data(
-    directory: Path, vocab_size: int, train_tokens: int, mean_doc_len: int, seed: int, val_tokens: int | None = None
+    directory: Path,
+    vocab_size: int,
+    train_tokens: int,
+    mean_doc_len: int,
+    seed: int,
+    val_tokens: int | None = None,
+    phrases: int = 0,
 ) -> None:
+    """Shards of uniform random tokens, or with `phrases` > 0 a random sequence of that many fixed random 8-token
+    phrases: text a model learns from within a few steps (the loss falls), unlike uniform noise."""
     tokenizer = synthetic_tokenizer(vocab_size)
     rng = np.random.default_rng(seed)
+    phrase_book = rng.integers(1, vocab_size, size=(phrases, 8), dtype=np.int64) if phrases else None
     for split, n in (("train", train_tokens), ("val", val_tokens or max(train_tokens // 16, 65_536))):
-        tokens = rng.integers(1, vocab_size, size=n, dtype=np.int64)
+        if phrase_book is None:
+            tokens = rng.integers(1, vocab_size, size=n, dtype=np.int64)
+        else:
+            tokens = phrase_book[rng.integers(0, phrases, size=-(-n // 8))].ravel()[:n]
         doc_ends = np.cumsum(rng.exponential(mean_doc_len, size=n // max(mean_doc_len // 4, 1)).astype(np.int64) + 1)
         tokens[doc_ends[doc_ends < n]] = 0
         tokens[0] = 0

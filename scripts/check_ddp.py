@@ -3,10 +3,11 @@
     python -m scripts.check_ddp --config smollm-135m --nproc 2 --steps 20
     python -m scripts.check_ddp --config multiscreen-d16 --seq-len 4096 --optimizer aurora --nproc 2
 
-Four runs of `scripts.base_train` on synthetic shards: one process with gradient accumulation over N micro-batches;
-N ranks with one micro-batch each (the same rows per optimizer step); N ranks stopped halfway with a checkpoint; and
-that run resumed on N ranks. Prints the loss of every step side by side and the largest differences; exits 1 when
-they exceed --tolerance. Not a test: it needs several accelerators (on CPU it runs gloo ranks, for trying it out).
+Four runs of `scripts.base_train` on synthetic shards (learnable phrases by default): one process with gradient
+accumulation over N micro-batches; N ranks with one micro-batch each (the same rows per optimizer step); N ranks
+stopped halfway with a checkpoint; and that run resumed on N ranks. Prints the loss of every step side by side and
+the largest differences; exits 1 when they exceed --tolerance. Not a test: it needs several accelerators (on CPU it
+runs gloo ranks, for trying it out).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--lr", type=float, help="peak LR (default: the optimizer's); on random tokens a rising loss "
                    "amplifies every rounding difference, so pick one at which the loss falls")  # fmt: skip
+    p.add_argument("--phrases", type=int, default=1000, help="synthetic text drawn from this many random 8-token "
+                   "phrases, so the loss falls and gradients are signal (0: uniform random tokens)")  # fmt: skip
     p.add_argument("--compile", default="off", help="on/off for every run (off: the check is about DDP, not speed)")
     p.add_argument("--tolerance", type=float, default=1e-3, help="largest allowed |loss difference| per step")
     args = p.parse_args(argv)
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = tmp / "data"
-        write_synthetic_data(data, 49152, total_batch * (args.steps + 2), 1024, seed=0)
+        write_synthetic_data(data, 49152, total_batch * (args.steps + 2), 1024, seed=0, phrases=args.phrases)
         env = {**os.environ, "PPT_CACHE": str(tmp / "cache")}
         common = [
             "-m", "scripts.base_train", "--config", args.config, "--data-dir", str(data),

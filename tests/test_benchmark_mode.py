@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 from ppt.common import PPTError, cache_dir
@@ -48,3 +49,19 @@ def test_deterministic_runs_repeat_their_losses_and_leave_the_setting_as_it_was(
     first, second = losses(), losses()
     assert len(first) == 6 and first == second
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_synthetic_phrases_repeat_a_small_phrase_book_and_uniform_tokens_do_not(tmp_path):
+    from ppt.data import read_shard, shard_path
+    from scripts.bench_train import write_synthetic_data
+
+    def distinct_successions(phrases: int) -> int:
+        directory = tmp_path / f"phrases{phrases}"
+        write_synthetic_data(directory, 4096, 20_000, 64, seed=0, phrases=phrases)
+        tokens = np.asarray(read_shard(shard_path(directory, "train", 0))[1])
+        return len(set(zip(tokens[:-1].tolist(), tokens[1:].tolist(), strict=True)))
+
+    # 3 phrases of 8 tokens: 7 pairs inside each, 3 x 3 across, each of the 24 tokens before and after an EOT, and
+    # EOT, EOT; uniform noise: nearly all pairs distinct
+    assert distinct_successions(3) <= 3 * 7 + 3 * 3 + 2 * 24 + 1
+    assert distinct_successions(0) > 15_000

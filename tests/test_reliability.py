@@ -220,9 +220,15 @@ def test_skip_nonfinite_skips_a_bad_step_and_counts_it_across_a_resume(demo_data
     calls = []
 
     def overflow_on_the_third_step(parameters, max_norm, *args, **kwargs):
+        """NaN gradients: had the update not been skipped, the weights and every later loss would be NaN."""
         calls.append(1)
+        parameters = list(parameters)
         norm = clip(parameters, max_norm, *args, **kwargs)
-        return torch.full_like(norm, float("inf")) if len(calls) == 3 else norm
+        if len(calls) != 3:
+            return norm
+        for p in parameters:
+            p.grad.fill_(float("nan"))
+        return torch.full_like(norm, float("inf"))
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", overflow_on_the_third_step)
     train(train_argv(demo_data_dir, out, "skipping", "--skip-nonfinite", "1", "--max-steps", "6"))
