@@ -267,16 +267,29 @@ class _RowSource:
         eot_id: int,
         rank: int,
         world_size: int,
+        block: int,
         seed: int,
         pin_memory: bool,
     ) -> None:
         self.tokens, self.seq_len, self.eot_id = tokens, seq_len, eot_id
-        self.rank, self.world_size, self.seed, self.pin_memory = rank, world_size, seed, pin_memory
+        self.rank, self.world_size, self.block, self.seed = rank, world_size, block, seed
+        self.pin_memory = pin_memory
         self.rows_per_shard = np.array([(t.size - 1) // seq_len for t in tokens], dtype=np.int64)
         self.rows_per_rank = int(self.rows_per_shard.sum()) // world_size
+        self.rows_in_blocks = self.rows_per_rank // block * block  # this rank's rows dealt out in whole blocks
         self._file_order = (np.arange(len(tokens)), np.cumsum(self.rows_per_shard))
         self._layout: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative rows)
         self._row_perm: tuple[int, np.ndarray] | None = None  # (shard, its row order this epoch): ranks move forward
+
+    def global_row(self, position: int) -> int:
+        """The epoch's global row number of this rank's row at `position`. Blocks of `block` rows (the batch size)
+        go to the ranks in turn, so a rank's batch holds the rows that the matching micro-batch of one process with
+        the same batch size and gradient accumulation over the ranks would: the two sum the same gradients. Rows
+        after the last whole round of blocks go round-robin, so every rank still gets rows_per_rank of them."""
+        W, B = self.world_size, self.block
+        if position < self.rows_in_blocks:
+            return position // B * W * B + self.rank * B + position % B
+        return self.rows_in_blocks * W + (position - self.rows_in_blocks) * W + self.rank
 
     def locate(self, epoch: int, global_row: int, shuffle: bool) -> tuple[int, int]:
         """(shard index, row inside that shard) of an epoch's global row number."""
@@ -303,7 +316,7 @@ class _RowSource:
         for _ in range(batch_size):
             if position == self.rows_per_rank:
                 epoch, position = epoch + 1, 0
-            locations.append(self.locate(epoch, position * self.world_size + self.rank, shuffle))
+            locations.append(self.locate(epoch, self.global_row(position), shuffle))
             position += 1
         return self.build(locations), epoch, position
 
@@ -440,7 +453,11 @@ class DataLoader:
         self.vocab_size = first.vocab_size
         self.tokenizer_fingerprint = first.tokenizer_fingerprint
         pin_memory = self.device.type == "cuda"  # page-locked host memory: the copy to the GPU runs asynchronously
-        self._source = _RowSource([t for _, t in shards], seq_len, self.eot_id, rank, world_size, seed, pin_memory)
+        # training rows go to ranks in blocks of a batch (see _RowSource.global_row); val rows one at a time
+        block = batch_size if self.shuffle else 1
+        self._source = _RowSource(
+            [t for _, t in shards], seq_len, self.eot_id, rank, world_size, block, seed, pin_memory
+        )
         self.total_rows = int(self._source.rows_per_shard.sum())
         self.rows_per_rank = self._source.rows_per_rank
         if self.rows_per_rank == 0:
@@ -503,6 +520,7 @@ class DataLoader:
             "seed": self.seed,
             "seq_len": self.seq_len,
             "world_size": self.world_size,
+            "batch_size": self.batch_size,
             "total_rows": self.total_rows,
         }
 
@@ -517,6 +535,12 @@ class DataLoader:
             warn0(
                 f"{self.data_dir} changed since the loader state was saved ({state['total_rows']} rows, now "
                 f"{self.total_rows}); the resumed batch order will differ from an uninterrupted run"
+            )
+        saved_batch = state.get("batch_size", self.batch_size)  # states before the field: assume unchanged
+        if self.world_size > 1 and self.shuffle and saved_batch != self.batch_size:
+            warn0(
+                f"the data loader state was saved with batch_size={saved_batch}, this run has {self.batch_size}: "
+                "ranks take rows in blocks of a batch, so the rest of this epoch repeats some rows and skips others"
             )
         self.close()  # batches prefetched from the old position are dropped
         self.epoch, self.position = int(state["epoch"]), min(int(state["position"]), self.rows_per_rank)
@@ -535,5 +559,5 @@ class DataLoader:
             )
         for start in range(0, rows_each, self.batch_size):
             stop = min(start + self.batch_size, rows_each)
-            rows = [self._source.locate(0, k * self.world_size + self.rank, False) for k in range(start, stop)]
+            rows = [self._source.locate(0, self._source.global_row(k), False) for k in range(start, stop)]
             yield self._to_device(self._source.build(rows))

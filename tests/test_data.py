@@ -134,15 +134,18 @@ def test_ranks_are_disjoint_and_cover_the_same_rows(make_token_dir):
     rank0, rank1 = epoch_rows(data_dir, 2, 0), epoch_rows(data_dir, 2, 1)
     assert not set(rank0) & set(rank1)
     assert sorted(rank0 + rank1) == sorted(everything)
-    # round robin over the same global order as world size 1
-    assert rank0 == one[0::2] and rank1 == one[1::2]
+    # blocks of a batch (B=3) in turn over the same global order as world size 1: rank r's k-th batch is the
+    # (2k + r)-th batch of one process; the 80 // 2 = 40 rows per rank hold 13 whole blocks, then one row each
+    batches = lambda rows: [rows[i : i + 3] for i in range(0, len(rows), 3)]
+    assert batches(rank0)[:13] == batches(one)[0:26:2] and batches(rank1)[:13] == batches(one)[1:26:2]
+    assert (rank0[39], rank1[39]) == (one[78], one[79])
     # each epoch reshuffles from (seed, epoch); the seed changes the order, not the set
     assert sorted(epoch_rows(data_dir, 1, 0, epoch=1)) == sorted(everything)
     assert epoch_rows(data_dir, 1, 0, epoch=1) != one
     assert epoch_rows(data_dir, 1, 0, seed=1) != one and epoch_rows(data_dir, 1, 0) == one
 
 
-def test_state_dict_resumes_the_same_batches_across_an_epoch_boundary(make_token_dir):
+def test_state_dict_resumes_the_same_batches_across_an_epoch_boundary(make_token_dir, capsys):
     streams = [unique_stream(201, 1, 50), unique_stream(151, 3000, 50)]
     data_dir = make_token_dir({"train": streams}, 10_000)
     make = lambda: DataLoader(data_dir, "train", batch_size=3, seq_len=10, rank=1, world_size=2, seed=7)
@@ -164,6 +167,9 @@ def test_state_dict_resumes_the_same_batches_across_an_epoch_boundary(make_token
     other_world = DataLoader(data_dir, "train", batch_size=3, seq_len=10, world_size=1, seed=7)
     with pytest.raises(PPTError, match="world_size=2"):
         other_world.load_state_dict(state)
+    other_batch = DataLoader(data_dir, "train", batch_size=2, seq_len=10, rank=1, world_size=2, seed=7)
+    other_batch.load_state_dict(state)
+    assert "saved with batch_size=3, this run has 2" in capsys.readouterr().err
 
 
 def assert_same_batches(got, want):

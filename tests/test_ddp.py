@@ -37,6 +37,7 @@ COMMON_ARGS = [
 ]  # fmt: skip
 # 1 rank: device batch 4 x accumulation 2; 2 ranks: device batch 2 x accumulation 2 (exercises DDP's no_sync too)
 ONE_RANK_BATCH, TWO_RANK_BATCH = 4, 2
+BLOCKS_BATCH_TOKENS = 2 * TWO_RANK_BATCH * SEQ_LEN  # 2 ranks x 1 micro-batch, or 1 rank x 2 accumulated
 LOSS_RTOL = 1e-6  # 1 vs 2 ranks: same rows, reductions in another order (measured: ~1e-7 on losses, ~1e-10 on bpb)
 
 
@@ -130,13 +131,17 @@ def losses(history: list[dict]) -> list[float]:
 def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The 2-rank runs in one torchrun launch (whole; stopped, then resumed; signalled) and the 1-rank run."""
     root = tmp_path_factory.mktemp("ddp")
-    dirs = {name: root / name for name in ("cache1", "cache2", "whole", "parts", "signalled", "logs", "one")}
+    names = ("cache1", "cache2", "whole", "parts", "signalled", "logs", "one", "blocks", "blocks_one")
+    dirs = {name: root / name for name in names}
     for d in dirs.values():
         d.mkdir()
     two = [*COMMON_ARGS, "--data-dir", str(demo_data_dir), "--device-batch-size", str(TWO_RANK_BATCH)]
     whole = [*two, "--tag", "whole", "--out-dir", str(dirs["whole"]), "--save-every", "2", "--run", "whole-run"]
     parts = [*two, "--tag", "parts", "--out-dir", str(dirs["parts"]), "--save-every", "0"]
     signalled = [*two, "--tag", "signalled", "--out-dir", str(dirs["signalled"]), "--save-every", "0"]
+    # one micro-batch per rank, against one process with the same micro-batches accumulated (BLOCKS_BATCH_TOKENS)
+    blocks = ["--total-batch-tokens", str(BLOCKS_BATCH_TOKENS), "--target-tokens", str(STEPS * BLOCKS_BATCH_TOKENS)]
+    blocks += ["--save-every", "0", "--tag", "blocks"]
     spec = {
         "log_dir": str(dirs["logs"]),
         "runs": [
@@ -144,8 +149,9 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
             {"argv": [*parts, "--max-steps", str(STOP_AT)]},
             {"argv": [*parts, "--resume", "auto"]},
             {"argv": signalled, "signal_rank1_in_step": SIGNAL_IN_STEP},
+            {"argv": [*two, *blocks, "--out-dir", str(dirs["blocks"])]},
         ],
-        "ports": free_ports(4),
+        "ports": free_ports(5),
     }
     (root / "spec.json").write_text(json.dumps(spec))
 
@@ -162,12 +168,17 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     from scripts import base_train
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}  # base_train installs its own
+    threads = torch.get_num_threads()
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("PPT_CACHE", str(dirs["cache1"]))
+            torch.set_num_threads(1)  # as each torchrun worker runs (OMP_NUM_THREADS=1): the same matmul blocking
             one = [*COMMON_ARGS, "--data-dir", str(demo_data_dir), "--device-batch-size", str(ONE_RANK_BATCH)]
             base_train.main([*one, "--tag", "one", "--out-dir", str(dirs["one"]), "--save-every", "0"])
+            blocks_one = [*two, *blocks, "--out-dir", str(dirs["blocks_one"])]
+            base_train.main(blocks_one)
     finally:
+        torch.set_num_threads(threads)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         try:
@@ -197,6 +208,23 @@ def test_two_ranks_match_one_rank_with_gradient_accumulation(runs):
     assert [h["lr"] for h in two["history"] if "loss" in h] == [h["lr"] for h in one["history"] if "loss" in h]
     assert two["final_val"]["tokens"] == one["final_val"]["tokens"]  # validation splits its rows across ranks too
     assert two["final_val"]["bpb"] == pytest.approx(one["final_val"]["bpb"], rel=LOSS_RTOL)
+
+
+def test_one_micro_batch_per_rank_equals_one_process_accumulating_the_same_micro_batches_bitwise(runs):
+    """Rank r's batch is micro-batch r of the one process (the loader deals rows out in blocks of a batch), and
+    DDP's mean of two gradients rounds as accumulating two halves does: the losses are equal, not just close."""
+    two, one = manifest(runs["blocks"] / "blocks.json"), manifest(runs["blocks_one"] / "blocks.json")
+    assert (two["train"]["world_size"], two["train"]["grad_accum"]) == (2, 1)
+    assert (one["train"]["world_size"], one["train"]["grad_accum"]) == (1, 2)
+    assert len(losses(two["history"])) == STEPS
+    assert losses(two["history"]) == losses(one["history"])
+    # and the weights: grouped otherwise (rows round-robin), they differ in their last bits, which the losses hide
+    from ppt import checkpoint as ckpt
+
+    two_weights, one_weights = (
+        ckpt.load_checkpoint(ckpt.latest_checkpoint(runs[name]))["model"] for name in ("blocks", "blocks_one")
+    )
+    assert all(torch.equal(two_weights[k], one_weights[k]) for k in one_weights)
 
 
 def test_ranks_train_on_disjoint_rows_whose_union_is_the_one_rank_batch(runs, demo_data_dir):
@@ -237,7 +265,7 @@ def test_only_rank_zero_writes_checkpoints_reports_and_wandb(runs):
     assert saved == ["step_00000002.pt", "step_00000004.pt", "step_00000006.pt"]  # each once, nothing per rank
     assert sorted(p.name for p in runs["whole"].iterdir()) == [*saved, "whole.json", "whole_loss.png"]
     reports = sorted(p.relative_to(runs["cache2"]).as_posix() for p in runs["cache2"].rglob("*") if p.is_file())
-    assert reports == ["reports/parts.json", "reports/signalled.json", "reports/whole.json"]
+    assert reports == ["reports/blocks.json", "reports/parts.json", "reports/signalled.json", "reports/whole.json"]
     assert sorted(p.name for p in runs["parts"].iterdir()) == [
         "parts.json", "parts_loss.png", f"step_{STOP_AT:08d}.pt", f"step_{STEPS:08d}.pt",
     ]  # fmt: skip
@@ -257,7 +285,7 @@ def test_two_rank_resume_continues_exactly(runs):
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(runs):
     """Otherwise rank 0 starts another step whose gradient all-reduce rank 1 never joins, and the job hangs."""
     logs = [manifest(runs["logs"] / f"rank{rank}.json") for rank in (0, 1)]
-    assert [log["exit_codes"] for log in logs] == [[0, 0, 0, 128 + signal.SIGTERM]] * 2
+    assert [log["exit_codes"] for log in logs] == [[0, 0, 0, 128 + signal.SIGTERM, 0]] * 2  # then the blocks run
     stopped = manifest(runs["signalled"] / "signalled.json")
     assert stopped["stopped_at"] == SIGNAL_IN_STEP and "final_val" not in stopped
     assert losses(stopped["history"]) == losses(manifest(runs["whole"] / "whole.json")["history"])[:SIGNAL_IN_STEP]
