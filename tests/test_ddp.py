@@ -129,7 +129,8 @@ def losses(history: list[dict]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The 2-rank runs in one torchrun launch (whole; stopped, then resumed; signalled) and the 1-rank run."""
+    """The 2-rank runs in one torchrun launch (whole; stopped, then resumed; signalled; blocks) and the 1-rank runs
+    (one; blocks_one)."""
     root = tmp_path_factory.mktemp("ddp")
     names = ("cache1", "cache2", "whole", "parts", "signalled", "logs", "one", "blocks", "blocks_one")
     dirs = {name: root / name for name in names}
@@ -175,8 +176,7 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
             torch.set_num_threads(1)  # as each torchrun worker runs (OMP_NUM_THREADS=1): the same matmul blocking
             one = [*COMMON_ARGS, "--data-dir", str(demo_data_dir), "--device-batch-size", str(ONE_RANK_BATCH)]
             base_train.main([*one, "--tag", "one", "--out-dir", str(dirs["one"]), "--save-every", "0"])
-            blocks_one = [*two, *blocks, "--out-dir", str(dirs["blocks_one"])]
-            base_train.main(blocks_one)
+            base_train.main([*two, *blocks, "--out-dir", str(dirs["blocks_one"])])
     finally:
         torch.set_num_threads(threads)
         for sig, handler in handlers.items():
