@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import warnings
@@ -13,6 +14,7 @@ from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 
 class PPTError(Exception):
@@ -105,6 +107,24 @@ def init_runtime(device: str | None = None) -> Runtime:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
     return Runtime(rank, local_rank, world_size, dev, autodetect_dtype(dev))
+
+
+def wrap_ddp(module: torch.nn.Module, rt: Runtime) -> DistributedDataParallel:
+    """DDP for the training step: gradients live in the all-reduce buckets, and buffers are not broadcast per forward.
+
+    A broadcast before every forward is one more collective per micro-batch, where the ranks wait on each other; the
+    shipped models' only buffers are RoPE tables every rank computes alike. A model whose buffers change during
+    training (running statistics) must all-reduce them itself.
+    """
+    # newer torch renamed the switch (the old name warns); the new one still syncs buffers once, at construction
+    params = inspect.signature(DistributedDataParallel).parameters
+    no_forward_sync = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return DistributedDataParallel(
+        module,
+        device_ids=[rt.local_rank] if rt.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        **{no_forward_sync: False},
+    )
 
 
 def shutdown_runtime() -> None:

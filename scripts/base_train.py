@@ -19,10 +19,19 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ppt import checkpoint as ckpt
-from ppt.common import PPTError, cache_dir, init_runtime, maybe_compile, print0, run_cli, shutdown_runtime, warn0
+from ppt.common import (
+    PPTError,
+    cache_dir,
+    init_runtime,
+    maybe_compile,
+    print0,
+    run_cli,
+    shutdown_runtime,
+    warn0,
+    wrap_ddp,
+)
 from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
 from ppt.flops import mfu_flops_per_token, peak_flops
 from ppt.loss_eval import autocast, evaluate_bpb
@@ -210,7 +219,7 @@ def train(args: argparse.Namespace) -> None:
     use_compile = compiled_model is not model
     train_model = compiled_model
     if rt.distributed:
-        train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+        train_model = wrap_ddp(train_model, rt)
 
     # a benchmark writes no manifest: it must not overwrite the report of a real run with the same tag
     report = RunReport(tag, [cache_dir() / "reports", out_dir], enabled=rt.is_master and not args.benchmark)
