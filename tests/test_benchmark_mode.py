@@ -25,6 +25,17 @@ def test_benchmark_mode_measures_without_touching_run_outputs(demo_data_dir, tmp
     assert not list((tmp_path / "out").glob("step_*.pt"))  # and no checkpoint
 
 
+def test_objects_alive_after_the_first_step_leave_the_garbage_collectors_scans(demo_data_dir, tmp_path):
+    import gc
+
+    gc.unfreeze()
+    try:
+        main(benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=6))
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_benchmark_needs_steps_after_warmup(demo_data_dir, tmp_path):
     with pytest.raises(PPTError, match="more than 5 steps"):
         main(benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=3))
