@@ -67,8 +67,10 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float) -> str:
     """Device time per iteration by kind of kernel, and its share of the iteration's wall time."""
     per_kind: dict[str, float] = {}
     for event in prof.key_averages():
-        # ProfilerStep* also has a device-side span, the whole iteration: counting it would count every kernel twice
-        if event.device_type != DeviceType.CUDA or event.key.startswith("ProfilerStep"):
+        # Annotated ranges (ProfilerStep*, DistributedDataParallel.forward, nccl:all_reduce, Optimizer.step) have
+        # device-side spans over kernels that are listed on their own: counting the spans would count those twice
+        annotation = getattr(event, "is_user_annotation", False) or event.key.startswith("ProfilerStep")
+        if event.device_type != DeviceType.CUDA or annotation:
             continue
         us = getattr(event, "self_device_time_total", None) or event.self_cuda_time_total
         kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, event.key, re.I)), "other")
