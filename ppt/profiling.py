@@ -1,7 +1,7 @@
 """torch.profiler over a few iterations of the real training loop, and where their time went.
 
 `StepProfiler(device, first, steps)` records `steps` loop iterations after `first` others and one warm-up; call its
-`step()` at the end of every iteration and `stop()` after the loop. When the recorded iterations are done it prints
+`step()` at the start of every iteration and `stop()` after the loop. When the recorded iterations are done it prints
 the kernels (CUDA) or ops (CPU) that took the most time and, on CUDA, device time per kind of kernel against the
 iterations' wall time, so that time in which no kernel ran shows up too.
 """
@@ -30,6 +30,7 @@ class StepProfiler:
         self.cuda = device.type == "cuda"
         self.steps, self.rows = steps, rows
         self.recording_since: float | None = None
+        self.reported = False
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.profiler = profile(
             activities=activities,
@@ -38,13 +39,17 @@ class StepProfiler:
         )
         self.profiler.start()
 
-    def step(self) -> None:
-        """The end of one loop iteration."""
+    def step(self) -> bool:
+        """Call at the start of every loop iteration. Returns whether the profiler slows this iteration down: it
+        warms up or records during it, or prints the report of the recorded ones at its start."""
+        reported = self.reported
         self.profiler.step()
-        recording = self.profiler.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+        action = self.profiler.current_action
+        recording = action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
         if recording and self.recording_since is None:
             self._synchronize()
             self.recording_since = time.perf_counter()
+        return action != ProfilerAction.NONE or self.reported != reported
 
     def stop(self) -> None:
         self.profiler.stop()
@@ -54,6 +59,7 @@ class StepProfiler:
             torch.cuda.synchronize()
 
     def _report(self, prof: profile) -> None:
+        self.reported = True
         self._synchronize()
         wall = (time.perf_counter() - self.recording_since) / self.steps
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"

@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--profile",
         action="store_true",
-        help="torch.profiler over steps 7-9 of this loop: prints where their time went (they run slower for it)",
+        help="torch.profiler over steps 6-8 of this loop: prints where their time went "
+        "(steps 5-9 run slower for it; a --benchmark summary leaves them out)",
     )
     return p.parse_args(argv)
 
@@ -331,10 +332,11 @@ def train(args: argparse.Namespace) -> None:
     stopping = 0
     optimizer_times: list[Callable[[], float]] = []  # benchmark mode: read at the end, so timing never waits
     profiler = StepProfiler(rt.device, first=5, steps=3) if args.profile and rt.is_master else None
+    profiled_steps: set[int] = set()  # slowed by the profiler: left out of a benchmark's figures
     last_sync = time.perf_counter()
     while step < last_step:
-        if profiler:
-            profiler.step()  # an iteration boundary
+        if profiler and profiler.step():
+            profiled_steps.add(step + 1)
         if stop_signal and not rt.distributed:  # a lone process stops before it starts another step
             stopping = stop_signal[0]
             break
@@ -418,7 +420,8 @@ def train(args: argparse.Namespace) -> None:
     if args.benchmark:
         if rt.device.type == "cuda":
             torch.cuda.synchronize()  # the last optimizer step's events
-        summary = benchmark_summary(report.history, [read() for read in optimizer_times], rt, flops, peak, n_params)
+        optimizer_seconds = [read() for read in optimizer_times]
+        summary = benchmark_summary(report.history, optimizer_seconds, profiled_steps, rt, flops, peak, n_params)
         print0("benchmark " + json.dumps(summary))
         shutdown_runtime()
         return
@@ -468,22 +471,32 @@ def timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]
 
 
 def benchmark_summary(
-    history: list[dict], optimizer_times: list[float], rt: object, flops: dict, peak: float | None, n_params: int
+    history: list[dict],
+    optimizer_times: list[float],
+    profiled_steps: set[int],
+    rt: object,
+    flops: dict,
+    peak: float | None,
+    n_params: int,
 ) -> dict:
-    """Mean throughput and phase times over the steps after the first five (compilation and warm-up)."""
-    steps = [h for h in history if "step_time" in h][5:]
-    if not steps:
-        raise PPTError("--benchmark needs more than 5 steps; raise --max-steps")
+    """Mean throughput and phase times over the steps after the first five (compilation and warm-up), leaving out
+    the steps the profiler slowed down."""
+    after_warmup = list(zip([h for h in history if "step_time" in h], optimizer_times))[5:]
+    kept = [(h, seconds) for h, seconds in after_warmup if h["step"] not in profiled_steps]
+    if not kept:
+        raise PPTError("--benchmark needs more than 5 steps (more than 9 with --profile); raise --max-steps")
+    steps = [h for h, _ in kept]
     mean = lambda key: sum(h[key] for h in steps) / len(steps)
     step_time = mean("step_time")
     tok_per_s = mean("tok_per_s")
     summary = {
         "params": n_params,
         "steps_measured": len(steps),
+        "steps_profiled_left_out": len(after_warmup) - len(kept),
         "tok_per_s": tok_per_s,
         "step_time_s": step_time,
         "data_share": mean("data_time") / step_time,
-        "optimizer_share": sum(optimizer_times[5:]) / len(optimizer_times[5:]) / step_time,
+        "optimizer_share": sum(seconds for _, seconds in kept) / len(kept) / step_time,
         "flops_per_token": flops["mfu"],
         "flops_per_token_6n": flops["6n"],
     }

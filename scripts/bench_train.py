@@ -2,7 +2,7 @@
 
     python -m scripts.bench_train --config smollm-360m --device-batch-size 16 --compile on,off
     python -m scripts.bench_train --config multiscreen-d16 --seq-len 4096 --optimizer aurora --doc-masks on
-    python -m scripts.bench_train --config smollm-360m --steps 12 --profile    # and where the real step's time goes
+    python -m scripts.bench_train --config smollm-360m --steps 15 --profile    # and where the real step's time goes
 
 Each variant runs `scripts.base_train --benchmark` in a fresh process on a synthetic data directory (uniform random
 tokens, documents of exponentially distributed length separated by EOT, a byte-level vocabulary of the config's
@@ -25,7 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from ppt.common import run_cli
+from ppt.common import PPTError, run_cli
 from ppt.data import shard_path, write_meta, write_shard
 from ppt.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
 
@@ -128,10 +128,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="after each variant, one more run under torch.profiler (steps 7-9): prints where the step's time goes",
+        help="profile steps 6-8 of each variant and print where their time went; steps 5-9 stay out of the figures",
     )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args, base_train_flags = p.parse_known_args(argv)  # the rest goes to every scripts.base_train run
+    if args.profile and args.steps < 10:
+        raise PPTError(f"--profile needs --steps of 10 or more (got {args.steps}): steps 5-9 are left out as profiled")
 
     total_batch = args.total_batch_tokens or args.device_batch_size * args.seq_len * args.nproc
     train_tokens = total_batch * (args.steps + 1) + args.seq_len * args.device_batch_size
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for compile_choice, masks in itertools.product(args.compile.split(","), args.doc_masks.split(",")):
             extra = ["--compile", compile_choice] + ([] if masks == "on" else ["--no-doc-masks"])
+            extra += ["--profile"] if args.profile else []
+            summary, stdout = run_variant(base, extra, args.nproc)
             result = {
                 "config": args.config,
                 "compile": compile_choice,
@@ -173,13 +177,12 @@ def main(argv: list[str] | None = None) -> None:
                 "total_batch": total_batch,
                 "optimizer": args.optimizer,
                 "base_train_flags": " ".join(base_train_flags),
-                **run_variant(base, extra, args.nproc)[0],
+                **summary,
             }
             results.append(result)
-            print(format_row(result), flush=True)
-            if args.profile:  # a run of its own: the profiled steps are slower, so they stay out of the figures
-                _, stdout = run_variant(base, [*extra, "--profile"], args.nproc)
+            if args.profile:
                 print("\n".join(line for line in stdout.splitlines() if not line.startswith(("step ", "benchmark "))))
+            print(format_row(result), flush=True)
     print("\n| config | compile | doc masks | tok/s | MFU | MFU (6N) | step s | data | optimizer | peak GB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

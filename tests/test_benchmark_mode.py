@@ -42,11 +42,22 @@ def test_benchmark_needs_steps_after_warmup(demo_data_dir, tmp_path):
 
 
 def test_profile_prints_where_the_recorded_steps_spent_their_time(demo_data_dir, tmp_path, capsys):
-    main([*benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=10), "--profile"])
+    main([*benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=12), "--profile", "--log-every", "1"])
     out = capsys.readouterr().out
     assert "aten::mm" in out.split("wall time per iteration")[0]  # the op table comes first
     assert "over 3 recorded" in out
-    assert json.loads(out.split("benchmark ", 1)[1])["steps_measured"] == 5
+    # the report prints at the start of step 9, after the recorded steps 6-8
+    assert (
+        out.index("wall time per iteration") < out.index("step      9/") and "step      8/" in out.split("aten::mm")[0]
+    )
+    # steps 6-9 (recording, then the report) stay out of the figures: steps 10-12 remain
+    summary = json.loads(out.split("benchmark ", 1)[1])
+    assert summary["steps_measured"] == 3 and summary["steps_profiled_left_out"] == 4
+
+
+def test_benchmark_with_profile_needs_steps_after_the_profiled_ones(demo_data_dir, tmp_path):
+    with pytest.raises(PPTError, match="more than 9 with --profile"):
+        main([*benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=9), "--profile"])
 
 
 def test_deterministic_runs_repeat_their_losses_and_leave_the_setting_as_it_was(demo_data_dir, tmp_path, capsys):
