@@ -1020,8 +1020,15 @@ def main(argv: list[str] | None = None) -> None:
             model.to_empty(device="cpu")
             model.init_weights()
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-        step = cost(model, args.batch_size, args.seq_len or config.max_seq_len, dtype)
+        seq_len = args.seq_len or config.max_seq_len
+        step = cost(model, args.batch_size, seq_len, dtype)
         print(report(step, args.device, dtype, args.duration_sec))
+        rule = comparison_flops_rule(model, seq_len)
+        print(
+            f"\nFLOPs/token, comparison rule (one document per row): {_si(rule.per_token())} = 6N "
+            f"{_si(6 * rule.params_matmul)} + mixers {_si(rule.per_token() - 6 * rule.params_matmul)} over the pairs "
+            "they need (the MFU convention counts SDPA over all T x T pairs)"
+        )
     except PPTError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc

@@ -172,11 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, over the defaults of --from-manifest and then of --recipe (explicit flags win over both)."""
     parser = build_parser()
-    first, _ = parser.parse_known_args(argv)
-    if first.from_manifest:
-        parser.set_defaults(**relaunch_defaults(first.from_manifest, parser))
-    if first.recipe:
-        parser.set_defaults(**RECIPES[first.recipe])
+    given, _ = parser.parse_known_args(argv)  # the flags given, over the parser's own defaults
+    defaults = relaunch_defaults(given.from_manifest, parser) if given.from_manifest else {}
+    defaults |= RECIPES[given.recipe] if given.recipe else {}
+    if given.target_flops is not None:  # a budget given one way replaces a default given the other way
+        defaults.pop("target_tokens", None)
+    if given.target_tokens is not None:
+        defaults.pop("target_flops", None)
+    parser.set_defaults(**defaults)
     return parser.parse_args(argv)
 
 
@@ -673,8 +676,9 @@ def first_step_doc_pos_counts(
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Every param group's settings (role, algorithm, lr, betas, weight decay, ...), without its tensors."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    """Every param group's settings (role, algorithm, initial_lr, betas, weight decay, ...), without its tensors and
+    its current lr (the schedule's, which a resumed optimizer brings along)."""
+    return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
 
 
 def memory_gb(device: torch.device) -> tuple[str, float]:

@@ -98,6 +98,8 @@ def test_the_mor_recipe_sets_its_published_configuration_and_flags_override_it()
     assert args.target_tokens == 19.8e9 and int(args.target_tokens) // args.total_batch_tokens == 9441
     args = base_train.parse_args(["--recipe", "mor", "--lr", "1e-3", "--doc-masks", "--config", "smollm-135m"])
     assert (args.lr, args.no_doc_masks, args.config, args.seq_len) == (1e-3, False, "smollm-135m", 2048)
+    args = base_train.parse_args(["--recipe", "mor", "--target-flops", "4e19"])
+    assert (args.target_flops, args.target_tokens) == (4e19, None)
 
 
 def recording(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list]:
