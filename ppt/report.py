@@ -76,10 +76,15 @@ class RunReport:
     def log_step(self, **metrics: float) -> None:
         self.history.append(metrics)
 
+    @property
+    def evals(self) -> list[dict[str, float]]:
+        """The history's evaluations (entries with a val bpb), in order."""
+        return [h for h in self.history if "val_bpb" in h]
+
     def write(self) -> None:
         if not self.enabled:
             return
-        payload = json.dumps({**self.data, "history": self.history}, indent=1, default=str)
+        payload = json.dumps({**self.data, "evals": self.evals, "history": self.history}, indent=1, default=str)
         for path in self.paths:
             try:
                 with atomic_file(path) as f:
