@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ppt.common import PPTError, atomic_file, run_cli
-from scripts.compare import compare_runs
+from scripts.compare import compare
 
 # Flags the runner sets itself for every run; a grid that passes them would make runs that are not what they say.
 OWNED_FLAGS = ("--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops", "--target-tokens",
@@ -214,7 +214,7 @@ def run_state(out: Path, grid: Grid, run: Run) -> str:
 
 def final_bpb(out: Path, grid: Grid, run: Run) -> float:
     manifest = read_manifest(manifest_path(out, grid, run)) or {}
-    return float((manifest.get("final_val") or {}).get("bpb", math.inf))
+    return float((manifest.get("final_val") or {}).get("val_bpb", math.inf))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def execute(runs: list[Run], out: Path, grid: Grid, jobs: int) -> list[Outcome]:
 def choose_lrs(grid: Grid, out: Path, sweep_runs: list[Run]) -> dict[str, dict[str, Any]]:
     """Per architecture: the mean final val bpb of each rate over the sweep seeds, and the rate with the lowest."""
     chosen = {}
-    for arch in grid.archs:
+    for arch in (a for a in grid.archs if len(a.lrs) > 1):
         by_lr = {
             lr: statistics.fmean(final_bpb(out, grid, r) for r in sweep_runs if r.arch == arch.name and r.lr == lr)
             for lr in arch.lrs
@@ -284,7 +284,7 @@ def choose_lrs(grid: Grid, out: Path, sweep_runs: list[Run]) -> dict[str, dict[s
         best = min(arch.lrs, key=lambda lr: by_lr[lr])
         if not math.isfinite(by_lr[best]):
             raise PPTError(f"every learning rate of {arch.name} diverged in the sweep ({arch.lrs}); try lower rates")
-        at_edge = len(arch.lrs) > 1 and best in (min(arch.lrs), max(arch.lrs))
+        at_edge = best in (min(arch.lrs), max(arch.lrs))
         chosen[arch.name] = {"lr": best, "sweep_bpb": {repr(lr): bpb for lr, bpb in by_lr.items()}, "at_edge": at_edge}
         if at_edge:
             print(f"warning: {arch.name}'s best rate {best:g} is at the edge of its sweep {arch.lrs}; extend `lrs`")
@@ -301,14 +301,11 @@ def plan(grid: Grid, out: Path, chosen: dict[str, dict[str, Any]] | None) -> tup
         for lr in a.lrs
         for seed in grid.sweep_seeds
     ]
-    if chosen is None:
-        chosen = {a.name: {"lr": a.lrs[0]} for a in grid.archs if len(a.lrs) == 1}
-        if len(chosen) < len(grid.archs):
-            chosen = None
     main = []
-    if chosen is not None:
+    if chosen is not None or not sweep:  # a single-rate architecture needs no sweep
+        rate = lambda a: chosen[a.name]["lr"] if len(a.lrs) > 1 else a.lrs[0]
         main = [
-            Run(a.name, budget, chosen[a.name]["lr"], seed, "grid")
+            Run(a.name, budget, rate(a), seed, "grid")
             for a in grid.archs
             for budget in grid.budgets
             for seed in grid.model_seeds
@@ -340,8 +337,8 @@ def plot_frontier(grid: Grid, out: Path, runs: list[Run]) -> Path:
             if not finals:
                 continue
             xs.append(statistics.fmean(f["comparison_flops"] for f in finals))
-            ys.append(statistics.fmean(f["bpb"] for f in finals))
-            spreads.append(statistics.stdev(f["bpb"] for f in finals) if len(finals) > 1 else 0.0)
+            ys.append(statistics.fmean(f["val_bpb"] for f in finals))
+            spreads.append(statistics.stdev(f["val_bpb"] for f in finals) if len(finals) > 1 else 0.0)
         ax.errorbar(xs, ys, yerr=spreads, marker="o", capsize=3, label=arch.name)
     ax.set_xscale("log")
     ax.set_xlabel("comparison FLOPs (log)")
@@ -391,11 +388,18 @@ def study(grid_path: Path, out: Path, jobs: int, dry_run: bool, data_dir: Path |
     if failures:
         return report_failures(failures)
     tables = [f"# {grid.name}\n", f"Grid: `{grid_path}`; runs: `{out}/runs/`; {jobs} run(s) at a time.\n"]
+    for arch in grid.archs:
+        choice = record.get("chosen", {}).get(arch.name)
+        how = f"lr {choice['lr']:g}, chosen by the sweep {choice['sweep_bpb']}" if choice else f"lr {arch.lrs[0]:g}"
+        tables.append(f"- {arch.name}: `{' '.join(arch.args)}`, {how}")
+    tables.append("")
     if jobs > 1:
         tables.append("Runs shared the machine: their wall times and tokens/s are not throughput figures.\n")
     for budget in grid.budgets:
-        manifests = [manifest_path(out, grid, r) for r in main if r.budget == budget]
-        tables.append(f"## {budget:.3g} comparison FLOPs\n\n" + compare_runs(manifests, baseline=grid.baseline) + "\n")
+        runs = [r for r in main if r.budget == budget]
+        baseline = next(f"{grid.name}-{r.name}" for r in runs if r.arch == grid.baseline)
+        table = compare([manifest_path(out, grid, r) for r in runs], baseline=baseline)
+        tables.append(f"## {budget:.3g} comparison FLOPs\n\n{table}\n")
     (out / "results.md").write_text("\n".join(tables))
     print("\n".join(tables))
     print(f"study record: {out / 'study.json'}\nresults: {out / 'results.md'}\nplot: {plot_frontier(grid, out, main)}")

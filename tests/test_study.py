@@ -60,7 +60,8 @@ def test_miniature_study_sweeps_runs_grid_and_compares(finished_study):
     for run in grid_runs:  # one data order for every run, the model seed varies
         argv = run["argv"]
         assert argv[argv.index("--data-seed") + 1] == "3"
-    assert "vanilla" in results and "screen" in results and (out / "frontier.png").stat().st_size > 1000
+    assert "- vanilla: `--config tiny`, lr " in results and "| multiscreen-tiny | 2 |" in results
+    assert (out / "frontier.png").stat().st_size > 1000
 
 
 def test_rerun_skips_finished_runs(finished_study, capsys):
@@ -95,7 +96,8 @@ def test_dry_run_prints_commands_and_runs_nothing(demo_data_dir, tmp_path, capsy
         (lambda g: g.replace('"--seq-len", "32"', '"--lr", "1", "--seq-len", "32"'), "--lr"),
         (lambda g: g.replace("budgets = [4e9]", "budgets = [-1]"), "positive"),
         (lambda g: g.replace("model_seeds = [0, 1]", "model_seeds = [0.5]"), "whole numbers"),
-        (lambda g: g + "\nlearning_rate = 3\n", "unknown keys"),
+        (lambda g: "learning_rate = 3\n" + g, "unknown keys"),
+        (lambda g: g + "\nlearning_rate = 3\n", "takes exactly"),
         (lambda g: g.replace("[arch.screen]", "[arch.screen"), "not valid TOML"),
     ],
 )
