@@ -124,6 +124,7 @@ def setting_fields(manifest: dict[str, Any]) -> dict[str, Any]:
     fields = {"config": config_name, **{f"config.{k}": v for k, v in manifest["config"].items()}}
     fields |= {k: train.get(k) for k in SETTING_KEYS} | {"lr": train.get("lr"), "optimizer_groups": groups}
     fields["target_flops"] = (train.get("budget") or {}).get("target_flops")
+    fields["model source"] = (manifest.get("model_source") or {}).get("sha256", "")[:12] or None
     return fields | {name: read(manifest) for name, read in MUST_MATCH.items()}
 
 

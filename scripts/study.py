@@ -133,7 +133,17 @@ def load_grid(path: Path) -> Grid:
         raise PPTError(f"cannot read the grid file {path} ({exc.strerror or exc}); pass an existing .toml") from exc
     except tomllib.TOMLDecodeError as exc:
         raise PPTError(f"{path} is not valid TOML ({exc}); fix the line it names") from exc
-    unknown = set(raw) - {"name", "data_dir", "data_seed", "model_seeds", "budgets", "baseline", "args", "sweep", "arch"}
+    unknown = set(raw) - {
+        "name",
+        "data_dir",
+        "data_seed",
+        "model_seeds",
+        "budgets",
+        "baseline",
+        "args",
+        "sweep",
+        "arch",
+    }
     if unknown:
         raise _fail(path, f"unknown keys {sorted(unknown)}; see `python -m scripts.study --help`")
     if "data_dir" not in raw:
@@ -379,7 +389,9 @@ def study(grid_path: Path, out: Path, jobs: int, dry_run: bool, data_dir: Path |
             print(f"{name}: lr {choice['lr']:g} (sweep val bpb {choice['sweep_bpb']})")
         sweep, main = plan(grid, out, record["chosen"])
     sweep_names = {r.name for r in sweep}
-    print(f"== grid: {len(main)} runs ({sum(r.name in sweep_names for r in main)} reused from the sweep) ==", flush=True)
+    print(
+        f"== grid: {len(main)} runs ({sum(r.name in sweep_names for r in main)} reused from the sweep) ==", flush=True
+    )
     outcomes = execute([r for r in main if r.name not in sweep_names], out, grid, jobs)
     failures += [o for o in outcomes if o.status != "finished" and o.status != "skipped"]
     record["runs"] = {r.name: {"phase": r.phase, "argv": r.argv, "manifest": str(manifest_path(out, grid, r)),

@@ -178,3 +178,26 @@ def test_unfinished_and_duplicate_runs_and_unknown_baselines_are_refused(tmp_pat
         compare([finished, twin])
     with pytest.raises(PPTError, match="--baseline 'nope' names no single setting; use one of: vanilla"):
         compare([finished], baseline="nope")
+
+
+def test_an_edited_model_of_the_same_config_name_is_its_own_setting(tmp_path):
+    """The fork workflow: model.py edited, config name unchanged. Its runs must not pool with the original's."""
+    paths = [
+        write_manifest(
+            tmp_path, f"{source}-s{seed}", bpb + 0.01 * seed, model_seed=seed, model_source={"sha256": source * 32}
+        )  # fmt: skip
+        for source, bpb in (("aa", 1.0), ("bb", 1.2))
+        for seed in (0, 1)
+    ]
+    table = rows(compare(paths, baseline="aa-s0"))
+    assert set(table) == {f"vanilla (model source={'aa' * 6})", f"vanilla (model source={'bb' * 6})"}
+    assert all(row["seeds"] == "2" for row in table.values())
+
+
+def test_model_source_hashes_model_py_and_the_kernels():
+    from ppt.report import REPO_ROOT, model_source
+
+    source = model_source()
+    assert source["files"][0] == "ppt/model.py" and "ppt/kernels/screening.py" in source["files"]
+    assert len(source["sha256"]) == 64 and source == model_source()
+    assert all((REPO_ROOT / f).is_file() for f in source["files"])

@@ -91,7 +91,7 @@ def test_dry_run_prints_commands_and_runs_nothing(demo_data_dir, tmp_path, capsy
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda g: g.replace('lrs = [1e-2]', 'lrs = []'), "non-empty list"),
+        (lambda g: g.replace("lrs = [1e-2]", "lrs = []"), "non-empty list"),
         (lambda g: g.replace('baseline = "vanilla"', 'baseline = "gpt2"'), "not an \\[arch"),
         (lambda g: g.replace('"--seq-len", "32"', '"--lr", "1", "--seq-len", "32"'), "--lr"),
         (lambda g: g.replace("budgets = [4e9]", "budgets = [-1]"), "positive"),
