@@ -41,6 +41,9 @@ from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.report import RunReport
 
+# A config field of this name, if the config has one, is set to the training row length (SPEC.md, the model contract).
+TRAIN_LENGTH_FIELD = "train_seq_len"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,6 +149,8 @@ def train(args: argparse.Namespace) -> None:
     seq_len = args.seq_len or min(2048, config.max_seq_len)
     if seq_len > config.max_seq_len:
         raise PPTError(f"--seq-len {seq_len} exceeds the config's max_seq_len {config.max_seq_len}; lower --seq-len")
+    if TRAIN_LENGTH_FIELD in {f.name for f in dataclasses.fields(config)}:  # recorded in every checkpoint (SPEC.md)
+        config = dataclasses.replace(config, **{TRAIN_LENGTH_FIELD: seq_len})
     total_batch = args.total_batch_tokens or 524_288
     device_batch = args.device_batch_size or max(1, min(32, total_batch // (seq_len * rt.world_size)))
     tokens_per_micro = device_batch * seq_len * rt.world_size
@@ -204,7 +209,10 @@ def train(args: argparse.Namespace) -> None:
         resume_path = chosen[0]
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path, map_location=rt.device)
-        if diff := ckpt.config_mismatch(state["config"], config_dict):
+        saved_config = state["config"]
+        if TRAIN_LENGTH_FIELD in config_dict:  # a checkpoint from before the field trained at its loader's seq_len
+            saved_config = {TRAIN_LENGTH_FIELD: state["loader"]["seq_len"], **saved_config}
+        if diff := ckpt.config_mismatch(saved_config, config_dict):
             raise PPTError(f"checkpoint {resume_path} is from another config: " + "; ".join(diff))
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
