@@ -262,9 +262,9 @@ def test_heads_longer_than_the_training_length_see_the_whole_prefix_after_reload
     from scripts.model_io import build_from_checkpoint, load_run
 
     def train(*extra: str) -> None:
-        base_train.main(["--config", "multiscreen-tiny", "--data-dir", str(demo_data_dir), "--seq-len", "64",
-                         "--device-batch-size", "2", "--total-batch-tokens", "128", "--target-tokens", "1e6",
-                         "--optimizer", "aurora", "--out-dir", str(tmp_path), "--eval-tokens", "256", *extra])  # fmt: skip
+        sizes = "--seq-len 64 --device-batch-size 2 --total-batch-tokens 128 --target-tokens 1e6 --eval-tokens 256"
+        base_train.main(["--config", "multiscreen-tiny", "--optimizer", "aurora", *sizes.split(),
+                         "--data-dir", str(demo_data_dir), "--out-dir", str(tmp_path), *extra])  # fmt: skip
 
     train("--max-steps", "2")
     run = load_run(checkpoint=tmp_path)
