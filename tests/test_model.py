@@ -285,6 +285,12 @@ def test_heads_longer_than_the_training_length_see_the_whole_prefix_after_reload
     assert load_run(checkpoint=tmp_path).state["step"] == 3
 
 
+def test_multiscreen_embedding_rows_start_at_the_papers_norm():
+    model = fresh("multiscreen-tiny")
+    row_norms = model.embed.norm(dim=-1)
+    assert abs(row_norms.mean().item() - 0.1) < 0.005  # 0.1 / sqrt(d) per entry, as in the paper
+
+
 def test_multiscreen_sizes():
     config = get_config("multiscreen-d24")
     assert (config.n_layer, config.n_head, config.d_model, config.d_key, config.d_value) == (24, 24, 576, 16, 64)
