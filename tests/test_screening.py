@@ -155,6 +155,7 @@ def test_cost_counts_in_window_in_document_pairs():
     assert cost["pairs"] == brute
     assert cost["fwd_flops"] == 2 * (dK + dV) * brute and cost["bwd_flops"] == 2 * cost["fwd_flops"]
     assert cost["fwd_bytes"] == 2 * B * T * H * (2 * dK + 2 * dV) + 8 * B * T
+    assert cost["bwd_bytes"] == 2 * B * T * H * (4 * dK + 3 * dV) + 8 * B * T  # q, k, v, dh in; dq, dk, dv out
     # without readable values: an upper bound from shapes alone
     estimate = screening_cost(B, T, H, dK, dV, torch.empty(H, device="meta"), None)
     assert estimate["pairs"] == B * H * T * (T + 1) // 2
