@@ -297,7 +297,7 @@ def _shape_args(q: Tensor, v: Tensor) -> tuple[int, ...]:
     return T, H, q.stride(0), q.stride(1), v.stride(0), v.stride(1)
 
 
-def _classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
+def plan_classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
     """(smallest span, largest span, blocks) per class of a plan; together the classes cover every int32 span."""
     limits = [limit for limit, _ in plan]
     if not plan or limits[-1] is not None or any(x is None for x in limits[:-1]) or limits[:-1] != sorted(limits[:-1]):
@@ -306,19 +306,60 @@ def _classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
     return [(lo, _INT32_MAX if limit is None else limit, blocks) for lo, (limit, blocks) in zip(lows, plan)]
 
 
+def forward_class(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
+    span_lo: int, span_hi: int, blocks: Blocks,
+) -> None:  # fmt: skip
+    """One class's forward launch: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
+    B, T, H, dK = q.shape
+    block_m, block_n, warps, stages = blocks
+    _forward_kernel[(B * H, triton.cdiv(T, block_m))](
+        q, k, v, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+def dq_class(
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dq: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
+    span_lo: int, span_hi: int, blocks: Blocks,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi] and returns their
+    d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials."""
+    B, T, H, dK = q.shape
+    block_m, block_n, warps, stages = blocks
+    n_tiles = triton.cdiv(T, block_m)
+    partials = torch.empty((2, B, H, n_tiles), device=q.device, dtype=torch.float32)
+    _dq_kernel[(B * H, n_tiles)](
+        q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
+        span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return partials[0].sum(dim=(0, 2)), partials[1].sum(dim=(0, 2))  # separate tensors: no aliasing
+
+
+def dkdv_class(
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, window: Tensor, rho: Tensor,
+    doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
+) -> None:  # fmt: skip
+    """One class's dK/dV launch: writes `dk` and `dv` for the heads whose span lies in [span_lo, span_hi]."""
+    B, T, H, dK = q.shape
+    block_m, block_n, warps, stages = blocks
+    _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
+        q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v), span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
 def screening_forward(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, plan: Plan | None = None
 ) -> Tensor:
     """h (B, T, H, dV). Inputs contiguous, validated by the caller (ppt.kernels.screening)."""
-    B, T, H, dK = q.shape
-    dV = v.shape[-1]
     out = torch.empty_like(v)
-    for span_lo, span_hi, (block_m, block_n, warps, stages) in _classes(plan or FORWARD_PLAN):
-        _forward_kernel[(B * H, triton.cdiv(T, block_m))](
-            q, k, v, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
-            DK=dK, DV=dV, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q),
-            num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+    for span_lo, span_hi, blocks in plan_classes(plan or FORWARD_PLAN):
+        forward_class(q, k, v, out, window, rho, doc_start, span_lo, span_hi, blocks)
     return out
 
 
@@ -335,26 +376,11 @@ def screening_backward(
     dkdv_plan: Plan | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d window, d rho); the per-head grads are fp32 sums of per-program partials (deterministic)."""
-    B, T, H, dK = q.shape
-    dV = v.shape[-1]
-    precision = _precision(q)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
     d_window = d_rho = None
-    for span_lo, span_hi, (block_m, block_n, warps, stages) in _classes(dq_plan or DQ_PLAN):
-        n_tiles = triton.cdiv(T, block_m)
-        partials = torch.empty((2, B, H, n_tiles), device=q.device, dtype=torch.float32)  # d window, d rho
-        _dq_kernel[(B * H, n_tiles)](
-            q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
-            span_lo, span_hi,
-            DK=dK, DV=dV, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        sums = partials[0].sum(dim=(0, 2)), partials[1].sum(dim=(0, 2))  # separate tensors: no aliasing
+    for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
+        sums = dq_class(q, k, v, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks)
         d_window, d_rho = sums if d_window is None else (d_window + sums[0], d_rho + sums[1])
-
-    for span_lo, span_hi, (block_m, block_n, warps, stages) in _classes(dkdv_plan or DKDV_PLAN):
-        _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
-            q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v), span_lo, span_hi,
-            DK=dK, DV=dV, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+    for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
+        dkdv_class(q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
     return dq, dk, dv, d_window, d_rho
