@@ -336,3 +336,35 @@ def test_cuda_kernels_agree_across_block_configs(plan):
     grads = screening_backward(q, k, v, window, rho, *meta, grad_out, dq_plan=plan, dkdv_plan=plan)
     for name, got, ref in zip(["out", "dq", "dk", "dv", "dwindow", "drho"], [out, *grads], refs):
         assert torch.isfinite(got).all() and _relative_error(got, ref) <= 1e-2, name
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tools around the kernels
+
+
+def test_kernel_stats_compiles_for_sm90_without_a_gpu(capsys):
+    """scripts.kernel_stats compiles a kernel ahead of time for an H100/H200 and reads its registers and loop."""
+    pytest.importorskip("triton")
+    from scripts.kernel_stats import CUOBJDUMP, main
+
+    if not CUOBJDUMP.is_file():
+        pytest.skip("this Triton ships no cuobjdump")
+    main(["--kernels", "forward", "--blocks", "16,16,1,2"])
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    kind, regs, loop = row.split()[0], int(row.split()[5]), int(row.split()[10])
+    assert kind == "forward" and 0 < regs <= 255 and loop > 0
+    assert "HMMA" in row  # the loop's dots run on tensor cores
+
+
+E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bench_multiscreen_e2e.sh")
+
+
+def test_bench_multiscreen_e2e_answers_help():
+    result = subprocess.run(["bash", E2E, "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("usage:")
+
+
+@pytest.mark.parametrize("args", [[], ["17"], ["16", "1", "seed", "--ref", "/nonexistent"]])
+def test_bench_multiscreen_e2e_names_what_it_needs(args):
+    result = subprocess.run(["bash", E2E, *args], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1

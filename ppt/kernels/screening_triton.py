@@ -40,7 +40,7 @@ DQ_PLAN: Plan = ((None, (32, 16, 2, 2)),)
 DKDV_PLAN: Plan = ((None, (16, 32, 1, 1)),)
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_HALF_PI = 1.5707963267948966
+_HALF_PI = tl.constexpr(1.5707963267948966)
 
 
 def _interpreter_loop_bounds_compat() -> None:
