@@ -12,7 +12,8 @@ In order:
   check      every implementation timed below against a float64 reference on the GPU (2 rows of 2048 tokens, mixed
              documents): max |error| / max |reference| of h and of the five gradients; one over 2e-2 is not timed
   --sweep    each kernel's tile sizes per window class (spans up to 16, 32, 64 and above, or one class), each class
-             timed on its own launch, then the fastest plan per kernel; it is checked, and timed as "ours (swept)"
+             timed on its own launch, then the fastest plan per kernel, then register caps on its classes; it is
+             checked, and timed as "ours (swept)"
   times      medians of triton.testing.do_bench (L2 flushed between runs): the op as the model calls it (fwd; fwd and
              autograd backward), each kernel launch alone, the per-batch metadata, the seed's op, and --baseline
   --profile  torch.profiler over fwd+bwd of the op (ours, and the seed's): device time by kernel
@@ -66,6 +67,7 @@ LONG = {
 }  # fmt: skip
 BOUNDARIES = (16, 32, 64)  # largest span of the short class, besides one class for all
 ALL_SPANS = (-(2**31), 2**31 - 1)  # every int32 span: one class
+MAXNREG = (80, 96, 128)  # register caps tried on the fastest plan's blocks
 PLAN_NAMES = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
 
 
@@ -399,8 +401,20 @@ def sweep(c: dict) -> dict:
             options.append((short[0] + long[0], ((boundary, short[1]), (None, long[1]))))
         for ms, plan in sorted(options):
             print(f"sweep {kind:<8} {ms:7.4f} ms  {plan}", flush=True)
-        best[kind] = min(options)[1]
+        best[kind] = capped(kind, min(options)[1], c, measured)
     return best
+
+
+def capped(kind: str, plan: tuple, c: dict, measured: dict) -> tuple:
+    """The plan with each class's registers capped (a fifth number, maxnreg) where that is faster: fewer registers
+    mean more resident warps to hide latency, at the price of some spills."""
+    classes = []
+    for (lo, hi, blocks), (limit, _) in zip(kernels.plan_classes(plan), plan):
+        ms, fastest_blocks = fastest(kind, (lo, hi), [blocks] + [(*blocks[:4], cap) for cap in MAXNREG], c, measured)
+        if fastest_blocks != blocks:
+            print(f"sweep {kind:<8} class up to {limit}: {fastest_blocks} {ms:.4f} ms", flush=True)
+        classes.append((limit, fastest_blocks))
+    return tuple(classes)
 
 
 def time_op(label: str, impl: Impl, c: dict, packing: str) -> tuple:

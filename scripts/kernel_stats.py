@@ -1,14 +1,15 @@
 """What the screening kernels compile to, without a GPU: registers, stack, shared memory and SASS instructions.
 
     python -m scripts.kernel_stats                                  # the shipped plans' blocks, sm_90 (H100/H200)
-    python -m scripts.kernel_stats --blocks 16,16,1,2 64,64,4,3     # other (BLOCK_M, BLOCK_N, warps, stages)
+    python -m scripts.kernel_stats --blocks 16,16,1,2 32,16,2,3,96  # BLOCK_M,BLOCK_N,warps,stages[,register cap]
     python -m scripts.kernel_stats --kernel-file .ref/screening_triton_OLD.py   # a kernel file of another commit
 
 Each kernel is compiled ahead of time for the target with Triton's own compiler and ptxas, with the specialization a
 launch at the benchmark shape gets (16-byte aligned pointers, sizes and strides divisible by 16), and disassembled
 with the cuobjdump that ships with Triton. "loop" counts the instructions of the kernel's loop over tiles (interior
 and boundary paths together); warps/SM is the occupancy the registers and shared memory allow. The kernels are
-latency-bound at small tiles, so registers (through warps/SM) and loop instructions are the numbers to read.
+latency-bound at small tiles, so registers (through warps/SM) and loop instructions are the numbers to read; spills
+show as LDL/STL in the loop's mix.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 
 
 def compile_kernel(fn: object, blocks: tuple[int, ...], dk: int, dv: int, arch: int) -> object:
-    """fn compiled for sm_<arch> with bf16 operands and the given (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    block_m, block_n, warps, stages = blocks
+    """fn compiled for sm_<arch> with bf16 operands and (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])."""
+    block_m, block_n, warps, stages, *maxnreg = blocks
     names = fn.arg_names
     constants = {"DK": dk, "DV": dv, "BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": "tf32"}
     types_ = {
@@ -49,9 +50,8 @@ def compile_kernel(fn: object, blocks: tuple[int, ...], dk: int, dv: int, arch: 
     pointers = POINTERS | set(POINTER_TYPES)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers | ALIGNED}
     source = ASTSource(fn, types_, constexprs={k: v for k, v in constants.items() if k in names}, attrs=attrs)
-    return triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages}
-    )
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg[0]} if maxnreg else {})}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def sass_stats(compiled: object) -> dict:
@@ -96,8 +96,8 @@ def parse_blocks(text: str) -> tuple[int, ...]:
         blocks = tuple(int(x) for x in text.split(","))
     except ValueError:
         blocks = ()
-    if len(blocks) != 4 or min(blocks) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give BLOCK_M,BLOCK_N,WARPS,STAGES, e.g. 32,16,2,3")
+    if len(blocks) not in (4, 5) or min(blocks) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG], e.g. 32,16,2,3")
     return blocks
 
 

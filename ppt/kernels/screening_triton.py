@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-Blocks = tuple[int, int, int, int]  # (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages)
+# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages[, maxnreg]): a fifth number caps registers per thread, which
+# trades spills for resident warps (the kernels are latency-bound at small tiles)
+Blocks = tuple[int, ...]
 Plan = tuple[tuple[int | None, Blocks], ...]  # ((largest span of the class, None for no limit), blocks) by span
 
 # The fastest single-class blocks of a sweep on an H200 at the model's shape (dK 16, dV 64, windows 2..257;
@@ -297,6 +299,11 @@ def _shape_args(q: Tensor, v: Tensor) -> tuple[int, ...]:
     return T, H, q.stride(0), q.stride(1), v.stride(0), v.stride(1)
 
 
+def _launch_options(blocks: Blocks) -> dict[str, int]:
+    warps, stages, *maxnreg = blocks[2:]
+    return dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg[0]} if maxnreg else {}))
+
+
 def plan_classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
     """(smallest span, largest span, blocks) per class of a plan; together the classes cover every int32 span."""
     limits = [limit for limit, _ in plan]
@@ -312,11 +319,10 @@ def forward_class(
 ) -> None:  # fmt: skip
     """One class's forward launch: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
     B, T, H, dK = q.shape
-    block_m, block_n, warps, stages = blocks
+    block_m, block_n = blocks[:2]
     _forward_kernel[(B * H, triton.cdiv(T, block_m))](
         q, k, v, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q),
-        num_warps=warps, num_stages=stages,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
 
 
@@ -327,14 +333,13 @@ def dq_class(
     """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi] and returns their
     d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials."""
     B, T, H, dK = q.shape
-    block_m, block_n, warps, stages = blocks
+    block_m, block_n = blocks[:2]
     n_tiles = triton.cdiv(T, block_m)
     partials = torch.empty((2, B, H, n_tiles), device=q.device, dtype=torch.float32)
     _dq_kernel[(B * H, n_tiles)](
         q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
         span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q),
-        num_warps=warps, num_stages=stages,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
     return partials[0].sum(dim=(0, 2)), partials[1].sum(dim=(0, 2))  # separate tensors: no aliasing
 
@@ -345,11 +350,10 @@ def dkdv_class(
 ) -> None:  # fmt: skip
     """One class's dK/dV launch: writes `dk` and `dv` for the heads whose span lies in [span_lo, span_hi]."""
     B, T, H, dK = q.shape
-    block_m, block_n, warps, stages = blocks
+    block_m, block_n = blocks[:2]
     _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
         q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v), span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q),
-        num_warps=warps, num_stages=stages,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
 
 
