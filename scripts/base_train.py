@@ -67,6 +67,8 @@ RECIPES: dict[str, dict[str, Any]] = {
 # The comparison-FLOPs rule is traced again every this many steps (learned windows move), on a schedule that does not
 # depend on --log-every or on where a run was resumed, so an interrupted run counts what an uninterrupted one does.
 RULE_RETRACE_STEPS = 50
+# A config field of this name, if the config has one, is set to the training row length (SPEC.md, the model contract).
+TRAIN_LENGTH_FIELD = "train_seq_len"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +245,8 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     seq_len = args.seq_len or min(2048, config.max_seq_len)
     if seq_len > config.max_seq_len:
         raise PPTError(f"--seq-len {seq_len} exceeds the config's max_seq_len {config.max_seq_len}; lower --seq-len")
+    if TRAIN_LENGTH_FIELD in {f.name for f in dataclasses.fields(config)}:  # recorded in every checkpoint (SPEC.md)
+        config = dataclasses.replace(config, **{TRAIN_LENGTH_FIELD: seq_len})
     total_batch = args.total_batch_tokens or 524_288
     device_batch = args.device_batch_size or max(1, min(32, total_batch // (seq_len * rt.world_size)))
     tokens_per_micro = device_batch * seq_len * rt.world_size
@@ -295,7 +299,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         resume_path = chosen[0]
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path, map_location=rt.device)
-        if diff := ckpt.config_mismatch(state["config"], config_dict):
+        saved_config = state["config"]
+        if TRAIN_LENGTH_FIELD in config_dict:  # a checkpoint from before the field trained at its loader's seq_len
+            saved_config = {TRAIN_LENGTH_FIELD: state["loader"]["seq_len"], **saved_config}
+        if diff := ckpt.config_mismatch(saved_config, config_dict):
             raise PPTError(f"checkpoint {resume_path} is from another config: " + "; ".join(diff))
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

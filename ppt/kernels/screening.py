@@ -322,7 +322,7 @@ def screening_cost(
     """FLOPs and HBM bytes of one screening call, counting in-window, in-document pairs only (see `_pair_count`).
 
     Forward: 2 (dK + dV) FLOPs per pair (q.k and alpha m v); backward 4 (dK + dV) (dQ, dK, the score gradient and
-    dV). Bytes: forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv.
+    dV). Bytes, each tensor once: forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv.
     """
     pairs = _pair_count(T, window, meta, B, H)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -333,7 +333,7 @@ def screening_cost(
         "fwd_flops": 2 * (dK + dV) * pairs,
         "bwd_flops": 4 * (dK + dV) * pairs,
         "fwd_bytes": elem * tokens * (2 * dK + 2 * dV) + meta_bytes,
-        "bwd_bytes": elem * tokens * (4 * dK + 4 * dV) + meta_bytes,
+        "bwd_bytes": elem * tokens * (4 * dK + 3 * dV) + meta_bytes,
     }
 
 
