@@ -5,8 +5,9 @@
 #   bash scripts/bench_multiscreen_e2e.sh 16        # Psi = 16; also 24, 32
 #   bash scripts/bench_multiscreen_e2e.sh 24 4      # the seed in 4 micro-batches (one of 262,144 tokens won't fit)
 #   bash scripts/bench_multiscreen_e2e.sh 24 4 seed # only the seed (or: ppt)
-set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/env.sh"
+ppt_help "$0" "$@"
+[ $# -ge 1 ] || { echo "error: say which Psi to run, e.g. bash scripts/bench_multiscreen_e2e.sh 16 (see --help)" >&2; exit 2; }
 psi="$1"
 seed_accum="${2:-1}"
 which="${3:-both}"

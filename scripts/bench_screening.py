@@ -30,22 +30,27 @@ import triton.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from ppt.common import ArgumentParser, nonneg_int, positive_float, positive_int  # noqa: E402
 from ppt.kernels import screening_triton  # noqa: E402
 from ppt.kernels.screening import screening, screening_cost, screening_metadata  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=65536)
-    p.add_argument("--row-len", type=int, default=4096, help="T: tokens per batch row (and the longest document)")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--dk", type=int, default=16)
-    p.add_argument("--dv", type=int, default=64)
-    p.add_argument("--rho", type=float, default=2.0, help="acceptance multiplier 1/r (model init r = 0.5)")
-    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the floor estimate (H200: 4.8)")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=positive_int, default=65536)
+    p.add_argument(
+        "--row-len", type=positive_int, default=4096, help="T: tokens per batch row (and the longest document)"
+    )
+    p.add_argument("--heads", type=positive_int, default=16)
+    p.add_argument("--dk", type=positive_int, default=16)
+    p.add_argument("--dv", type=positive_int, default=64)
+    p.add_argument("--rho", type=positive_float, default=2.0, help="acceptance multiplier 1/r (model init r = 0.5)")
+    p.add_argument(
+        "--hbm-tbps", type=positive_float, default=4.8, help="HBM bandwidth for the floor estimate (H200: 4.8)"
+    )
     p.add_argument("--seed-ref", default=str(ROOT / ".ref"), help="folder holding the seed's multiscreen_gist.py")
     p.add_argument("--sweep", action="store_true", help="first time each kernel over block configs, use the fastest")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     return p.parse_args()
 
 

@@ -665,8 +665,9 @@ class CorpusSize:
 
     def describe(self) -> str:
         about = "" if self.exact else "about "
+        files = f"{self.files} file{'s' * (self.files != 1)}"
         return (
-            f"{self.files} file{'s' * (self.files != 1)}, {about}{format_sizes(self.text_bytes)[0]} of text, about {self.tokens:,} tokens "
+            f"{files}, {about}{format_sizes(self.text_bytes)[0]} of text, about {self.tokens:,} tokens "
             f"({self.bytes_per_token:.2f} bytes per token on its first {format_sizes(SAMPLE_BYTES)[0]})"
         )
 
