@@ -161,6 +161,41 @@ def test_sigkill_at_a_random_step_then_resume_reproduces_the_uninterrupted_run(
     assert not list(out.glob("*.tmp*"))  # the first save after the restart removed the killed write's leftovers
 
 
+def test_a_second_run_on_the_same_directory_stops_naming_the_first_and_sigterm_releases_it(demo_data_dir, tmp_path):
+    """Two runs at once with one output directory: the second stops before it reads or writes anything there, naming
+    the first run's pid; the first, stopped by SIGTERM, saves and removes its lock on the way out."""
+    out = tmp_path / "checkpoints"
+    argv = train_argv(demo_data_dir, out, "first", "--target-tokens", str(10**6 * BATCH_TOKENS), "--save-every", "0")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.base_train", *argv],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    log = []
+    for line in proc.stdout:  # the first run is training
+        log.append(line)
+        if line.startswith("step "):
+            break
+    assert (out / common.LOCK_NAME).is_file(), "".join(log)
+    with pytest.raises(PPTError) as second:
+        train(train_argv(demo_data_dir, out, "second"))
+    assert re.search(
+        rf"checkpoints is in use by another run: pid {proc.pid} on \S+, started .*scripts/base_train", str(second.value)
+    )
+    proc.send_signal(signal.SIGTERM)
+    log.append(proc.stdout.read())
+    proc.wait()
+    watchdog.cancel()
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(log)
+    assert not (out / common.LOCK_NAME).exists() and ckpt.latest_checkpoint(out) is not None
+    assert not list(out.glob("second*")) and manifest(out, "first")["stopped_at"] >= 1
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "max-steps"])
 def test_signals_and_max_steps_save_then_resume_reproduces_the_uninterrupted_run(
     stop, reference, demo_data_dir, tmp_path, capsys
