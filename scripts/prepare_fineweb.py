@@ -431,7 +431,15 @@ def worker_pool(tokenizer: Tokenizer, workers: int) -> Iterator[Pool | None]:
         yield None
         return
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with context.Pool(workers, _init_worker, (tokenizer.backend.to_str(), tokenizer.name)) as pool:
+    # The workers start with SIGTERM's default action, not this process's handler: a worker stuck in C code before
+    # its initializer runs (a lock some thread of this process held at the fork) is still ended by terminate(),
+    # where a Python-level handler would never run and the pool's exit would wait for it forever.
+    handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        pool = context.Pool(workers, _init_worker, (tokenizer.backend.to_str(), tokenizer.name))
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    with pool:
         yield pool  # leaving the block terminates the workers, also when stopped early
 
 
@@ -736,7 +744,7 @@ def val_split_tokens(requested: int | None, corpus: CorpusSize) -> int:
 
 
 def choose_tokenizer(
-    args: argparse.Namespace, kind: str, files: list[Path], documents: Callable[[], Iterator[str]]
+    args: argparse.Namespace, kind: str, files: list[Path], documents: Callable[[], Iterator[str]] | None
 ) -> tuple[Tokenizer, dict, CorpusSize | None]:
     """The tokenizer of a fresh data directory, how it was made (for meta.json), and for local files the corpus
     size (exact when training read it whole, else estimated from the files)."""
@@ -881,9 +889,10 @@ def prepare(args: argparse.Namespace) -> None:
 def prepare_into(args: argparse.Namespace, kind: str, out: Path, files: list[Path]) -> None:
     defaults = DEFAULTS[kind]
     source: str | list[str] = [str(f) for f in files] if files else kind
+    documents: Callable[[], Iterator[str]] | None = None  # fineweb: streamed from the hub instead (open_fineweb)
     if kind == "local":
         documents = local_document_source(files, args.shuffle_seed)
-    else:  # fineweb streams from the hub instead (open_fineweb)
+    elif kind == "demo":
         documents = lambda: iter(demo_documents())  # noqa: E731
     target_shards = args.shards if args.shards is not None else defaults.shards
 
@@ -931,7 +940,7 @@ def prepare_into(args: argparse.Namespace, kind: str, out: Path, files: list[Pat
         check_free_space(out, remaining * token_dtype(tokenizer.vocab_size).itemsize)
     with worker_pool(tokenizer, args.workers) as pool:  # before the source opens: forking needs no threads yet
         skip = meta["progress"]["docs_consumed"]
-        stream = open_fineweb(skip) if kind == "fineweb" else itertools.islice(documents(), skip, None)
+        stream = open_fineweb(skip) if documents is None else itertools.islice(documents(), skip, None)
         if fresh:  # after the source opened: an unreachable hub leaves no trace
             with disk_errors(out / "meta.json", writer.shard_bytes()):
                 tokenizer.save(out)
