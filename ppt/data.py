@@ -326,15 +326,19 @@ class _RowSource:
             self._row_perm = (shard, rng.permutation(int(self.rows_per_shard[shard])))
         return shard, int(self._row_perm[1][local])
 
-    def next_batch(self, batch_size: int, epoch: int, position: int, shuffle: bool) -> tuple[Batch, int, int]:
-        """The batch at cursor (epoch, position) in this rank's rows, and the cursor after it."""
+    def next_batch(
+        self, batch_size: int, epoch: int, position: int, shuffle: bool
+    ) -> tuple[Batch, np.ndarray, int, int]:
+        """The batch at cursor (epoch, position) in this rank's rows, how many of its tokens sit at each document
+        position (counts[p], 0 <= p < T: what the comparison-FLOPs rule needs), and the cursor after it."""
         locations = []
         for _ in range(batch_size):
             if position == self.rows_per_rank:
                 epoch, position = epoch + 1, 0
             locations.append(self.locate(epoch, self.global_row(position), shuffle))
             position += 1
-        return self.build(locations), epoch, position
+        batch = self.build(locations)
+        return batch, np.bincount(batch[2].numpy().ravel(), minlength=self.seq_len), epoch, position
 
     def build(self, locations: list[tuple[int, int]]) -> Batch:
         """A host batch from (shard, row) pairs, gathered straight into its output tensors (pinned for CUDA)."""
@@ -361,7 +365,8 @@ class _RowSource:
 class _Prefetcher:
     """A daemon thread that builds the batches after a cursor, in order, up to `depth` ahead of the consumer.
 
-    Each item carries the cursor after its batch, so the consumer's state is what it has received. A failure in the
+    Each item carries the batch's document-position counts and the cursor after it, so the consumer's state is what
+    it has received. A failure in the
     thread is raised by `get`. `close` (also run when the owning loader is collected) stops the thread.
     """
 
@@ -383,7 +388,7 @@ class _Prefetcher:
         self._thread = threading.Thread(target=_Prefetcher._run, args=args, name="ppt-prefetch", daemon=True)
         self._thread.start()
 
-    def get(self) -> tuple[Batch, int, int]:
+    def get(self) -> tuple[Batch, np.ndarray, int, int]:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -418,8 +423,8 @@ class _Prefetcher:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the current device is per thread: pin memory in this rank's context
             while True:
-                batch, epoch, position = source.next_batch(batch_size, epoch, position, shuffle)
-                if not put((batch, epoch, position)):
+                batch, counts, epoch, position = source.next_batch(batch_size, epoch, position, shuffle)
+                if not put((batch, counts, epoch, position)):
                     return
         except BaseException as exc:  # the consumer raises it from next()
             put(exc)
@@ -433,6 +438,8 @@ class DataLoader:
     host memory on CUDA) while the model computes; `next()` only copies one to the device, asynchronously.
     `prefetch=0` builds each batch in `next()` instead. `state_dict()` describes the batches `next()` has returned,
     not those prefetched, and is the same on every rank, so resuming from rank 0's state resumes all ranks exactly.
+    `take_doc_pos_counts()` hands over how many tokens of the batches `next()` returned since the last call sit at
+    each document position (counted on the host where the batch is built: no device work, no sync).
     `vocab_size` (the model's; default the shards') bounds the token ids: a shard holding a larger one is refused
     when opened (its header records its largest id), and so is a batch that holds one.
     """
@@ -495,6 +502,7 @@ class DataLoader:
                 f"per rank ({world_size} ranks); lower seq_len or prepare more data"
             )
         self.epoch, self.position = 0, 0  # the cursor after the last batch returned: an index into this rank's rows
+        self._doc_pos_counts = np.zeros(seq_len, dtype=np.int64)  # of the batches returned since the last take
         self._prefetcher: _Prefetcher | None = None
         self._stop_on_collect: weakref.finalize | None = None
 
@@ -513,7 +521,7 @@ class DataLoader:
 
     def __next__(self) -> Batch:
         if self.prefetch == 0:
-            batch, self.epoch, self.position = self._source.next_batch(
+            batch, counts, self.epoch, self.position = self._source.next_batch(
                 self.batch_size, self.epoch, self.position, self.shuffle
             )
         else:
@@ -524,11 +532,17 @@ class DataLoader:
                 self._stop_on_collect = weakref.finalize(self, self._prefetcher.close)
                 self._stop_on_collect.atexit = False  # a daemon thread ends with the interpreter anyway
             try:
-                batch, self.epoch, self.position = self._prefetcher.get()
+                batch, counts, self.epoch, self.position = self._prefetcher.get()
             except BaseException:  # the thread's error, or Ctrl-C while waiting: no thread outlives it
                 self.close()
                 raise
+        self._doc_pos_counts += counts
         return self._to_device(batch)
+
+    def take_doc_pos_counts(self) -> np.ndarray:
+        """(seq_len,) int64: tokens at each document position in the batches returned since the last call."""
+        counts, self._doc_pos_counts = self._doc_pos_counts, np.zeros(self.seq_len, dtype=np.int64)
+        return counts
 
     def _to_device(self, batch: Batch) -> Batch:
         inputs, targets, doc_pos = (t.to(self.device, non_blocking=True) for t in batch)
@@ -572,6 +586,7 @@ class DataLoader:
             )
         self.close()  # batches prefetched from the old position are dropped
         self.epoch, self.position = int(state["epoch"]), min(int(state["position"]), self.rows_per_rank)
+        self._doc_pos_counts[:] = 0
 
     def val_batches(self, max_tokens: int) -> Iterator[Batch]:
         """The first `max_tokens` input tokens of the split (summed over ranks) in file order, this rank's share.

@@ -30,6 +30,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -145,6 +146,15 @@ def _compute_dtype(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> t
     return (inputs + outputs)[0].dtype
 
 
+def _registered(attribute: str) -> dict[object, Callable[..., object]]:
+    """The module-level dicts named `attribute` of every loaded `ppt.*` module (model.py included), merged."""
+    formulas: dict[object, Callable[..., object]] = {}
+    for name, module in list(sys.modules.items()):
+        if name == "ppt" or name.startswith("ppt."):
+            formulas.update(getattr(module, attribute, None) or {})
+    return formulas
+
+
 def registered_cost_formulas() -> dict[object, Callable[..., object]]:
     """Every `COST_FORMULAS` dict of the loaded `ppt.*` modules, merged (kernels register theirs beside the op).
 
@@ -152,11 +162,17 @@ def registered_cost_formulas() -> dict[object, Callable[..., object]]:
     (or FLOPs per class under the keys of OP_CLASSES, or a bare number of matmul FLOPs); keys are ops, op packets
     or "namespace::name" strings.
     """
-    formulas: dict[object, Callable[..., object]] = {}
-    for name, module in list(sys.modules.items()):
-        if name == "ppt" or name.startswith("ppt."):
-            formulas.update(getattr(module, "COST_FORMULAS", None) or {})
-    return formulas
+    return _registered("COST_FORMULAS")
+
+
+def registered_pair_formulas() -> dict[object, Callable[..., object]]:
+    """Every `PAIR_FORMULAS` dict of the loaded `ppt.*` modules, merged: how the comparison rule counts a token mixer.
+
+    A formula is called with the op's own arguments (small learned tensors hold their real values) and returns, for
+    one row of the batch, one (forward FLOPs per needed (query, key) pair, reach) per head, where reach is how many
+    keys back a query needs at most (math.inf: its whole document prefix). Keys are as in COST_FORMULAS.
+    """
+    return _registered("PAIR_FORMULAS")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -188,6 +204,9 @@ class _Trace(TorchDispatchMode):
         self.op_name = ""  # the op being booked
         self.modules = ModuleTracker()
         self.formulas = registered_cost_formulas()
+        self.pair_formulas = registered_pair_formulas()
+        self.rows = 1  # rows of the traced batch: token mixers are described per row
+        self.mixers: dict[tuple[str, str], dict] = {}  # (op, model part) -> how the comparison rule counts it
         self._params = {id(p): p for p in params}
         self._param_storages = {p.untyped_storage()._cdata for p in params}
         self.params_used: set[int] = set()
@@ -251,6 +270,16 @@ class _Trace(TorchDispatchMode):
             for meta_t, real_t in zip(outputs, _tensors(real)):
                 self._shadow[meta_t] = real_t
 
+    def add_mixer(self, heads: list[tuple[float, float]] | None = None, dense_flops: float = 0.0) -> None:
+        """Book one forward call of a token mixer in the running op's model part, for the comparison rule: per row,
+        one (FLOPs per needed pair, reach) per head, or `dense_flops` (the whole batch's) when its pairs are unknown.
+        """
+        key = (self.op_name, _part(self.modules.parents))
+        tally = self.mixers.setdefault(key, {"calls": 0, "heads": Counter(), "dense_flops": 0.0})
+        tally["calls"] += 1
+        tally["heads"].update(heads or [])
+        tally["dense_flops"] += dense_flops / self.rows
+
     def _is_weight_matmul(self, inputs: list[torch.Tensor]) -> bool:
         matrices = [t for t in inputs if t.dtype.is_floating_point and t.dim() >= 2]
         return any(t not in self._batch_dependent for t in matrices)
@@ -281,7 +310,8 @@ class _Trace(TorchDispatchMode):
         if _is_matmul(func):
             formula = flop_registry.get(func.overloadpacket) or _MATMUL_EXTRA[name]
             flops = formula(*args, **kwargs, out_val=out)
-            self._book_matmul(flops, inputs)
+            if self._book_matmul(flops, inputs) and flops:  # activation by activation: q.k, p.v of an einsum
+                self.add_mixer(dense_flops=flops)
             self.record("matmul", flops, dtype, operands)
         elif name in _SELECTION:
             self.record("selection", self._accumulated(name, args, kwargs), dtype, operands)
@@ -299,12 +329,15 @@ class _Trace(TorchDispatchMode):
             self.unclassified[str(func.overloadpacket)] += 1
             self.record("elementwise", sum(t.numel() for t in outputs), dtype, operands)
 
-    def _book_matmul(self, flops: float, inputs: list[torch.Tensor]) -> None:
-        if self.phase == "primal":
-            if self._is_weight_matmul(inputs):
-                self.weight_flops += flops
-            else:
-                self.attention_flops += flops
+    def _book_matmul(self, flops: float, inputs: list[torch.Tensor]) -> bool:
+        """Book forward matmul FLOPs as weight or attention work; True for a forward activation-by-activation one."""
+        if self.phase != "primal":
+            return False
+        if self._is_weight_matmul(inputs):
+            self.weight_flops += flops
+            return False
+        self.attention_flops += flops
+        return True
 
     @staticmethod
     def _accumulated(name: str, args: tuple, kwargs: dict) -> int:
@@ -319,9 +352,9 @@ class _Trace(TorchDispatchMode):
 
     def _book_custom(self, func, args, kwargs, out, inputs, outputs) -> None:  # noqa: ANN001
         dtype = _compute_dtype(inputs, outputs)
-        formula = self.formulas.get(func) or self.formulas.get(func.overloadpacket) or self.formulas.get(func.name())
+        swap = lambda x: self._shadow.get(x, x) if isinstance(x, torch.Tensor) else x
+        formula = _lookup(self.formulas, func)
         if formula is not None:
-            swap = lambda x: self._shadow.get(x, x) if isinstance(x, torch.Tensor) else x
             result = formula(*tree_map(swap, args), **tree_map(swap, kwargs))
             flops, total_bytes = _parse_formula_result(func, result)
         elif func.overloadpacket in flop_registry:
@@ -332,13 +365,24 @@ class _Trace(TorchDispatchMode):
                 "the kernel: a module-level COST_FORMULAS = {op: fn} in its ppt.* module, where fn(*op_args) returns "
                 "{'flops': ..., 'bytes': ...}; or use torch.utils.flop_counter.register_flop_formula"
             )
-        self._book_matmul(flops.get("matmul", 0), inputs)
+        activation_matmul = self._book_matmul(flops.get("matmul", 0), inputs)
+        pairs = _lookup(self.pair_formulas, func)
+        if pairs is not None and self.phase == "primal":
+            heads = pairs(*tree_map(swap, args), **tree_map(swap, kwargs))
+            self.add_mixer(heads=[(float(flops_per_pair), float(reach)) for flops_per_pair, reach in heads])
+        elif activation_matmul and flops.get("matmul"):
+            self.add_mixer(dense_flops=flops["matmul"])
         main_class = max(flops, key=flops.get)  # operand bytes go with the class that does most of the work
         for op_class, n in flops.items():
             if op_class == main_class:
                 self.record(op_class, n, dtype, [] if total_bytes is not None else inputs + outputs, total_bytes)
             else:
                 self.record(op_class, n, dtype, [])
+
+
+def _lookup(formulas: dict[object, Callable[..., object]], func: torch._ops.OpOverload) -> Callable[..., object] | None:
+    """A formula registered under the op, its packet, or its "namespace::name" string."""
+    return formulas.get(func) or formulas.get(func.overloadpacket) or formulas.get(func.name())
 
 
 def _parse_formula_result(func: object, result: object) -> tuple[dict[str, float], float | None]:
@@ -370,13 +414,19 @@ class _FusedAttention(torch.autograd.Function):
     scores in memory, many small ops, and a backward that FlopCounterMode does not count the way the GPU runs it."""
 
     @staticmethod
-    def forward(ctx, trace: _Trace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):  # noqa: ANN001, ANN205
+    def forward(ctx, trace: _Trace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,  # noqa: ANN001, ANN205
+                is_causal: bool):  # fmt: skip
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # the row log-sum-exp flash saves for its backward
         flops = sdpa_flop_count(*_gqa_shapes(q.shape, k.shape, v.shape))
         operands = [t for t in (q, k, v, mask) if t is not None]
         trace.attention_flops += flops
         trace.op_name = "scaled_dot_product_attention"
+        if is_causal and mask is None:  # every query head: its own q.k and p.v over the causal prefix
+            b, h, _, d = _as_bhtd(q.shape)
+            trace.add_mixer(heads=[(2.0 * (d + v.shape[-1]), math.inf)] * (b * h // trace.rows))
+        else:  # a mask tensor cannot be read on meta: which pairs it keeps is unknown
+            trace.add_mixer(dense_flops=flops)
         trace.record("matmul", flops, q.dtype, operands + [out, lse])
         ctx.trace, ctx.has_mask = trace, mask is not None
         ctx.save_for_backward(q, k, v, out, lse, *operands[3:])
@@ -393,7 +443,7 @@ class _FusedAttention(torch.autograd.Function):
         ctx.trace.record(
             "matmul", sdpa_backward_flop_count(*shapes), q.dtype, [grad_out, q, k, v, out, lse, *mask] + written
         )
-        return None, *grads, mask_grad
+        return None, *grads, mask_grad, None
 
 
 class _RouteAttention(TorchFunctionMode):
@@ -409,10 +459,11 @@ class _RouteAttention(TorchFunctionMode):
 
 
 def _sdpa(trace: _Trace, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-          attn_mask: torch.Tensor | None = None, *args: object, **kwargs: object) -> torch.Tensor:  # fmt: skip
+          attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+          *args: object, **kwargs: object) -> torch.Tensor:  # fmt: skip
     """Autocast casts SDPA's inputs above autograd, so the casts and their gradients are part of the graph."""
     query, key, value = (trace.cast_above_autograd(t) for t in (query, key, value))
-    return _FusedAttention.apply(trace, query, key, value, attn_mask)
+    return _FusedAttention.apply(trace, query, key, value, attn_mask, is_causal)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -515,6 +566,42 @@ def _meta_twin(t: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
 
 
+def _traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, backward: bool) -> _Trace:
+    """Run `model` on meta twins of its tensors under a _Trace: the forward, and the backward when asked."""
+    if batch_size < 1 or seq_len < 1:
+        raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+    originals = dict(model.named_parameters()) | dict(model.named_buffers())
+    twins = {name: _meta_twin(t) for name, t in originals.items()}
+    shadows = [
+        (twins[name], t.detach().cpu())
+        for name, t in originals.items()
+        if t.device.type != "meta" and t.numel() <= _SHADOW_MAX
+    ]
+    params = [twins[name] for name, _ in model.named_parameters()]
+    trace = _Trace(params, shadows, autocast=dtype if dtype.itemsize < 4 else None)
+    trace.rows = batch_size
+    idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    targets = torch.zeros_like(idx)
+    trace.mark_batch(idx, targets)
+    with torch.enable_grad(), trace.modules, _RouteAttention(trace), trace:
+        try:
+            loss = torch.func.functional_call(model, twins, (idx,), {"targets": targets})
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise PPTError("model(idx, targets) must return the scalar loss (SPEC.md, the model contract)")
+            if backward:
+                trace.phase = "adjoint"
+                loss.backward()
+        except PPTError:
+            raise
+        except Exception as exc:
+            raise PPTError(
+                f"tracing {type(model).__name__} on the meta device failed ({type(exc).__name__}: {exc}); ppt.flops "
+                "runs the model on meta tensors, so keep forward free of value-dependent code (.item(), "
+                "data-dependent shapes)"
+            ) from exc
+    return trace
+
+
 def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> Cost:
     """Trace one training step of `model` (loss = model(idx, targets); loss.backward()) on the meta device.
 
@@ -525,42 +612,14 @@ def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = t
     them (autocast's fp32 list is not emulated). Small learned tensors (up to 4096 elements, e.g. per-head
     windows) keep their values when the model has any, for the cost formulas of custom ops.
     """
-    if batch_size < 1 or seq_len < 1:
-        raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
     model = _unwrap(model)
-    originals = dict(model.named_parameters()) | dict(model.named_buffers())
-    twins = {name: _meta_twin(t) for name, t in originals.items()}
-    shadows = [
-        (twins[name], t.detach().cpu())
-        for name, t in originals.items()
-        if t.device.type != "meta" and t.numel() <= _SHADOW_MAX
-    ]
-    params = [twins[name] for name, _ in model.named_parameters()]
-    trace = _Trace(params, shadows, autocast=dtype if dtype.itemsize < 4 else None)
-    idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    targets = torch.zeros_like(idx)
-    trace.mark_batch(idx, targets)
-    with torch.enable_grad(), trace.modules, _RouteAttention(trace), trace:
-        try:
-            loss = torch.func.functional_call(model, twins, (idx,), {"targets": targets})
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise PPTError("model(idx, targets) must return the scalar loss (SPEC.md, the model contract)")
-            trace.phase = "adjoint"
-            loss.backward()
-        except PPTError:
-            raise
-        except Exception as exc:
-            raise PPTError(
-                f"tracing {type(model).__name__} on the meta device failed ({type(exc).__name__}: {exc}); cost() "
-                "runs forward+backward on meta tensors, so keep forward free of value-dependent code (.item(), "
-                "data-dependent shapes)"
-            ) from exc
+    trace = _traced_step(model, batch_size, seq_len, dtype, backward=True)
     if trace.unclassified:
         warn0(f"ppt.flops: counted ops without a class as elementwise: {', '.join(sorted(trace.unclassified))}")
     tokens = batch_size * seq_len
     return Cost(
         params=sum(p.numel() for p in model.parameters()),
-        params_active=sum(p.numel() for p in params if id(p) in trace.params_used),
+        params_active=sum(p.numel() for p in trace._params.values() if id(p) in trace.params_used),
         params_matmul=round(trace.weight_flops / (2 * tokens)),
         batch_size=batch_size,
         seq_len=seq_len,
@@ -586,6 +645,101 @@ def mfu_flops_per_token(model: nn.Module, seq_len: int) -> dict[str, float]:
         "params_matmul": step.params_matmul,
         "per_token": step.summary(),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Comparison FLOPs: one rule for every token mixer (SPEC.md, "Measurement"; docs/flops.md)
+
+
+@dataclass
+class ComparisonFlops:
+    """The comparison-FLOPs rule of one model at one row length, described by a traced forward.
+
+    A step's comparison FLOPs are 3 x the forward FLOPs the model's math needs for the tokens trained on: 6 N per
+    token (N: matmul parameters, a tied head once) plus 3 x every token mixer's forward FLOPs over the (query, key)
+    pairs it needs. A query at document position p needs min(reach, p + 1) keys of a head: reach is the row length
+    (the whole document prefix) for causal attention, the window for screening. A mixer that no pair formula
+    describes counts at its traced (dense) forward FLOPs per row; `dense` lists those.
+    """
+
+    seq_len: int
+    params_matmul: int
+    # per (op, model part), in model order: {"op", "part", "calls"} and "heads": [[FLOPs per pair, reach, how many
+    # heads per row], ...] for pair-counted calls and/or "dense_flops_per_row" for the rest
+    mixers: list[dict]
+
+    def __post_init__(self) -> None:
+        keys = np.arange(1, self.seq_len + 1, dtype=np.int64)  # keys a query at document position p has: p + 1
+        self._position_flops = np.zeros(self.seq_len, dtype=np.int64)  # mixer forward FLOPs of a query at p
+        for mixer in self.mixers:
+            for flops_per_pair, reach, heads in mixer.get("heads", []):
+                self._position_flops += flops_per_pair * heads * np.minimum(keys, reach)
+        self._dense_flops_per_row = sum(mixer.get("dense_flops_per_row", 0) for mixer in self.mixers)
+
+    @property
+    def dense(self) -> list[dict]:
+        """The mixers counted at their dense traced cost."""
+        return [mixer for mixer in self.mixers if "dense_flops_per_row" in mixer]
+
+    def warning(self) -> str | None:
+        """One line naming the mixers counted densely and how to count them by their pairs; None if there are none."""
+        if not self.dense:
+            return None
+        names = ", ".join(f"{mixer['op']} in {mixer['part']}" for mixer in self.dense)
+        return (
+            f"comparison FLOPs: {names} mixes tokens with matmuls no pair formula describes, so it counts at its dense "
+            "traced cost (every pair it computes). To count only the pairs it needs, call "
+            "F.scaled_dot_product_attention(is_causal=True), or make it a custom op with a PAIR_FORMULAS entry "
+            "beside it (docs/flops.md)"
+        )
+
+    def step_flops(self, doc_pos_counts: np.ndarray) -> int:
+        """Comparison FLOPs of training on tokens whose document positions are counted by `doc_pos_counts`
+        (counts[p] = tokens at document position p; with whole rows as documents, every p once per row). Exact."""
+        counts = np.asarray(doc_pos_counts, dtype=np.int64)
+        if counts.shape != (self.seq_len,):
+            raise PPTError(
+                f"document-position counts must have one entry per position of a {self.seq_len}-token row, got shape "
+                f"{counts.shape}"
+            )
+        tokens = int(counts.sum())
+        mixers = int(counts @ self._position_flops) + self._dense_flops_per_row * tokens // self.seq_len
+        return 6 * self.params_matmul * tokens + 3 * mixers
+
+    def per_token(self, doc_pos_counts: np.ndarray | None = None) -> float:
+        """Comparison FLOPs per token of these document positions (default: one document per row)."""
+        counts = np.ones(self.seq_len, dtype=np.int64) if doc_pos_counts is None else np.asarray(doc_pos_counts)
+        return self.step_flops(counts) / int(counts.sum())
+
+    def state_dict(self) -> dict:
+        """Plain JSON-able values: what checkpoints and manifests store."""
+        return {"seq_len": self.seq_len, "params_matmul": self.params_matmul, "mixers": self.mixers}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> ComparisonFlops:
+        return cls(int(state["seq_len"]), int(state["params_matmul"]), list(state["mixers"]))
+
+
+def comparison_flops_rule(model: nn.Module, seq_len: int) -> ComparisonFlops:
+    """The comparison-FLOPs rule of `model` for rows of `seq_len` tokens, read from one traced forward of one row.
+
+    Learned reaches (screening windows) are read at the model's current values, so call it again when they may have
+    moved. The trace runs on meta: a fraction of a second for a 360M model.
+    """
+    model = _unwrap(model)
+    trace = _traced_step(model, 1, seq_len, torch.float32, backward=False)
+    mixers = []
+    for (op, part), tally in trace.mixers.items():
+        mixer: dict = {"op": op, "part": part, "calls": tally["calls"]}
+        heads: Counter = Counter()
+        for (flops_per_pair, reach), count in tally["heads"].items():
+            heads[(round(flops_per_pair), seq_len if math.isinf(reach) else min(seq_len, math.ceil(reach)))] += count
+        if heads:
+            mixer["heads"] = [[flops_per_pair, reach, count] for (flops_per_pair, reach), count in heads.items()]
+        if tally["dense_flops"]:
+            mixer["dense_flops_per_row"] = round(tally["dense_flops"])
+        mixers.append(mixer)
+    return ComparisonFlops(seq_len, round(trace.weight_flops / (2 * seq_len)), mixers)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -865,8 +1019,15 @@ def main(argv: list[str] | None = None) -> None:
             model.to_empty(device="cpu")
             model.init_weights()
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-        step = cost(model, args.batch_size, args.seq_len or config.max_seq_len, dtype)
+        seq_len = args.seq_len or config.max_seq_len
+        step = cost(model, args.batch_size, seq_len, dtype)
         print(report(step, args.device, dtype, args.duration_sec))
+        rule = comparison_flops_rule(model, seq_len)
+        print(
+            f"\nFLOPs/token, comparison rule (one document per row): {_si(rule.per_token())} = 6N "
+            f"{_si(6 * rule.params_matmul)} + mixers {_si(rule.per_token() - 6 * rule.params_matmul)} over the pairs "
+            "they need (the MFU convention counts SDPA over all T x T pairs)"
+        )
     except PPTError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc

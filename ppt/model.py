@@ -197,10 +197,13 @@ def language_model_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: 
 class MultiscreenConfig:
     psi: int
     vocab_size: int = 49152
-    max_seq_len: int = 4096  # the longest row; heads whose window outgrows it see the whole prefix at eval
+    max_seq_len: int = 4096  # the longest row the model accepts
     d_key: int = 16
     d_value: int = 64
     window_threshold: float = 256.0  # MiPE rotates only heads with windows below it
+    # The training row length, filled in by the training loop (SPEC.md): at eval a head whose window exceeds it sees
+    # the whole prefix. None (configs built outside training, checkpoints from before the field): max_seq_len.
+    train_seq_len: int | None = None
 
     @property
     def n_layer(self) -> int:
@@ -280,7 +283,8 @@ class MultiscreenBlock(nn.Module):
         w = self.s_w.float().exp() + 1
         if self.training:
             return w
-        return torch.where(w > self.config.max_seq_len, torch.full_like(w, math.inf), w)
+        trained_on = self.config.train_seq_len or self.config.max_seq_len
+        return torch.where(w > trained_on, torch.full_like(w, math.inf), w)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, meta: tuple[torch.Tensor, torch.Tensor]
@@ -312,7 +316,9 @@ class MultiscreenLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        nn.init.normal_(self.embed, std=1 / math.sqrt(self.config.d_model))  # rows near unit norm, as they are used
+        # Rows of norm about 0.1, as the paper and its public script draw them. The forward normalizes rows, so only
+        # the optimizer sees the scale: a shorter row turns further under the same Adam step (about 10x at 0.1).
+        nn.init.normal_(self.embed, std=0.1 / math.sqrt(self.config.d_model))
         for block in self.blocks:
             block.init_weights()
         self.s_e.zero_()

@@ -6,6 +6,7 @@ progresses, so a crash leaves the last consistent version. A loss-curve PNG sits
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -35,6 +36,16 @@ def git_state() -> dict[str, Any]:
     sha = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": sha, "dirty": bool(status) if status is not None else None}
+
+
+def model_source() -> dict[str, str]:
+    """sha256 of the architecture's source (ppt/model.py and the kernels it may call): two runs of one config name
+    whose model code differs are different settings, whatever git says about a dirty tree."""
+    files = [REPO_ROOT / "ppt" / "model.py", *sorted((REPO_ROOT / "ppt" / "kernels").glob("*.py"))]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(REPO_ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return {"sha256": digest.hexdigest(), "files": [p.relative_to(REPO_ROOT).as_posix() for p in files]}
 
 
 def hardware() -> dict[str, Any]:
@@ -67,6 +78,7 @@ class RunReport:
             "run": name,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "git": git_state(),
+            "model_source": model_source(),
             "hardware": hardware(),
         }
         self.history: list[dict[str, float]] = []
@@ -77,10 +89,15 @@ class RunReport:
     def log_step(self, **metrics: float) -> None:
         self.history.append(metrics)
 
+    @property
+    def evals(self) -> list[dict[str, float]]:
+        """The history's evaluations (entries with a val bpb), in order."""
+        return [h for h in self.history if "val_bpb" in h]
+
     def write(self) -> None:
         if not self.enabled:
             return
-        payload = json.dumps({**self.data, "history": self.history}, indent=1, default=str)
+        payload = json.dumps({**self.data, "evals": self.evals, "history": self.history}, indent=1, default=str)
         for path in self.paths:
             try:
                 with atomic_file(path) as f:

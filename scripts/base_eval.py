@@ -72,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--include-path", type=Path, action="append", default=[], help="a folder of local task YAMLs")
     g.add_argument("--skip-tasks", action="store_true", help="bits per byte only")
     g.add_argument("--demo-task", action="store_true", help="run only a local task built from the val split")
+    g = p.add_argument_group("wandb")
+    g.add_argument(
+        "--no-wandb",
+        action="store_true",
+        help="do not log to the training run's wandb run (logged by default when its manifest names one and wandb is "
+        "installed)",
+    )
     return p.parse_args(argv)
 
 
@@ -164,6 +171,28 @@ def update_manifests(run: LoadedRun, evaluation: dict[str, Any]) -> list[Path]:
     return existing
 
 
+def log_to_wandb(manifest: dict[str, Any], evaluation: dict[str, Any]) -> str | None:
+    """Log the scores to the wandb run the training run logged to (its manifest's `wandb` key), continuing it.
+    Returns the run id, or None when there is none or wandb is not installed."""
+    recorded = manifest.get("wandb") or {}
+    if not recorded.get("id"):
+        return None
+    try:
+        import wandb
+    except ImportError:
+        print0(f"note: wandb is not installed; scores not logged to wandb run {recorded['id']}")
+        return None
+    scores = {"eval/val_nll": evaluation["val"]["nll"], "eval/val_bpb": evaluation["val"]["bpb"]}
+    bench = evaluation.get("benchmarks") or {}
+    scores |= {f"eval/{label}": score for label, score in bench.get("rows", {}).items()}
+    if len(bench.get("rows", {})) > 1:
+        scores["eval/avg"] = bench["avg"]
+    run = wandb.init(project=recorded.get("project", "ppt"), id=recorded["id"], resume="allow")
+    run.log({**scores, "eval/step": evaluation["step"], "eval/tokens": evaluation["tokens"]})
+    run.finish()
+    return recorded["id"]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.skip_tasks and (args.demo_task or args.tasks):
@@ -218,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
             evaluation["benchmarks"] = bench
         for path in update_manifests(run, evaluation):
             print0(f"report: {path}")
+        if not args.no_wandb and (run_id := log_to_wandb(run.manifest(), evaluation)):
+            print0(f"wandb: logged to run {run_id}")
     shutdown_runtime()
 
 

@@ -2,7 +2,9 @@
 
 python -m scripts.base_train --config smollm-135m --target-tokens 1e9
 torchrun --nproc_per_node=8 -m scripts.base_train --config smollm-360m --target-tokens 20e9
-python -m scripts.base_train ... --resume auto   # continue a stopped or killed run from its newest checkpoint
+python -m scripts.base_train --recipe mor                  # the Mixture-of-Recursions Vanilla recipe (SmolLM-360M)
+python -m scripts.base_train --from-manifest RUN.json --tag rerun   # relaunch a run from its manifest
+python -m scripts.base_train ... --resume auto             # continue a stopped or killed run from its newest checkpoint
 
 A run owns its checkpoint directory and its name (--tag) while it runs: a second run with either stops at once.
 """
@@ -15,18 +17,22 @@ import gc
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from ppt import checkpoint as ckpt
 from ppt.common import (
     ArgumentParser,
+    Number,
     PPTError,
     cache_dir,
     hold_lock,
@@ -47,16 +53,53 @@ from ppt.common import (
     wrap_ddp,
 )
 from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
-from ppt.flops import mfu_flops_per_token, peak_flops
+from ppt.flops import ComparisonFlops, comparison_flops_rule, mfu_flops_per_token, peak_flops
 from ppt.loss_eval import autocast, evaluate_bpb
 from ppt.model import CONFIGS, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.report import RunReport
 
+# Published recipes, as their public configurations state them; flags given beside --recipe override single values.
+MOR_BATCH_TOKENS = 2_097_152  # 1024 rows of 2048 tokens
+RECIPES: dict[str, dict[str, Any]] = {
+    "mor": {  # Mixture-of-Recursions, the Vanilla SmolLM-360M baseline
+        "config": "smollm-360m",
+        "seq_len": 2048,
+        "total_batch_tokens": MOR_BATCH_TOKENS,
+        "target_tokens": 19.8e9,
+        "optimizer": "adamw",
+        "lr": 3e-3,
+        "weight_decay": 0.1,
+        "grad_clip": 1.0,
+        "schedule": "wsd",
+        "warmup_tokens": 57 * MOR_BATCH_TOKENS,
+        "decay_frac": 0.2,
+        "no_doc_masks": True,
+    },
+}
+# The comparison-FLOPs rule is traced again every this many steps (learned windows move), on a schedule that does not
+# depend on --log-every or on where a run was resumed, so an interrupted run counts what an uninterrupted one does.
+RULE_RETRACE_STEPS = 50
+# A config field of this name, if the config has one, is set to the training row length (SPEC.md, the model contract).
+TRAIN_LENGTH_FIELD = "train_seq_len"
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+
+def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("recipe and relaunch")
+    g.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        help="a published recipe's settings as defaults; other flags override them. mor: "
+        + ", ".join(f"{k}={v}" for k, v in RECIPES["mor"].items()),
+    )
+    g.add_argument(
+        "--from-manifest",
+        type=Path,
+        help="relaunch a run: every setting its manifest recorded (the 'args' key) becomes the default, flags given "
+        "beside it override (e.g. --tag NAME to run it again elsewhere, --resume auto to continue it)",
+    )
     g = p.add_argument_group("model")
     g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)} (default smollm-360m unless --depth)")
     g.add_argument("--depth", type=positive_int, help="the scaling dial: width and heads derived from depth")
@@ -70,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device-batch-size", type=positive_int, help="rows per forward on one device; accumulation derived"
     )
     g.add_argument("--target-tokens", type=token_count, help="training budget in tokens (default 20 x parameters)")
+    g.add_argument(
+        "--target-flops",
+        type=positive_float,
+        help="training budget in comparison FLOPs instead of tokens: converted once, at the start, into tokens "
+        "(the manifest records the conversion; compare reports the FLOPs the run really counted)",
+    )
     g = p.add_argument_group("optimization")
     g.add_argument("--optimizer", choices=["adamw", "muon", "aurora"], default="adamw")
     g.add_argument("--lr", type=positive_float, help="peak learning rate (default per optimizer)")
@@ -79,9 +128,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup-tokens", type=nonneg_token_count, help="LR warmup length in tokens (default 1%% of the budget)"
     )
     g.add_argument(
+        "--decay-frac", type=Number(float, 0, 1), default=0.2, help="wsd: the last fraction of steps, decayed linearly"
+    )
+    g.add_argument(
         "--no-doc-masks",
         action="store_true",
         help="train on plain causal rows, ignoring document boundaries (to measure what the masks cost)",
+    )
+    g.add_argument(
+        "--doc-masks", dest="no_doc_masks", action="store_false", help="document masks (the default; undoes a recipe's)"
     )
     g.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm (0 disables)")
     g.add_argument("--skip-nonfinite", type=nonneg_int, default=0, help="skip up to N steps whose loss/grad is NaN/inf")
@@ -94,7 +149,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--keep", type=nonneg_int, default=3, help="checkpoints to keep (0 keeps all)")
     g.add_argument("--resume", help="'auto' (latest complete checkpoint in --out-dir, if any) or a checkpoint path")
     g.add_argument("--run", help="wandb run name; wandb stays off without it")
-    g.add_argument("--seed", type=nonneg_int, default=0)
+    g.add_argument(
+        "--seed", type=nonneg_int, default=0, help="sets --data-seed and --model-seed where they are not given"
+    )
+    g.add_argument(
+        "--data-seed",
+        type=nonneg_int,
+        help="the order of the training rows: at one data seed, sequence length and batch every architecture sees "
+        "the same tokens in the same order",
+    )
+    g.add_argument("--model-seed", type=nonneg_int, help="the initialization of the weights, and nothing else")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="torch.compile (auto: on CUDA)")
     g.add_argument(
         "--compile-mode",
@@ -130,7 +194,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.profiler over steps 6-8 of this loop: prints where their time went "
         "(steps 5-9 run slower for it; a --benchmark summary leaves them out)",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, over the defaults of --from-manifest and then of --recipe (explicit flags win over both)."""
+    parser = build_parser()
+    given, _ = parser.parse_known_args(argv)  # the flags given, over the parser's own defaults
+    defaults = relaunch_defaults(given.from_manifest, parser) if given.from_manifest else {}
+    defaults |= RECIPES[given.recipe] if given.recipe else {}
+    if given.target_flops is not None:  # a budget given one way replaces a default given the other way
+        defaults.pop("target_tokens", None)
+    if given.target_tokens is not None:
+        defaults.pop("target_flops", None)
+    parser.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
+# Flags a relaunch does not take from the manifest: how to launch, not what to train
+NOT_RELAUNCHED = ("from_manifest", "resume")
+
+
+def relaunch_defaults(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The settings a manifest recorded for a relaunch, as parser defaults."""
+    try:
+        recorded = json.loads(Path(path).read_text())["args"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise PPTError(
+            f"cannot relaunch from {path} ({type(exc).__name__}: {exc}); pass the JSON manifest base_train wrote for "
+            "the run (<cache>/reports/<tag>.json or beside its checkpoints)"
+        ) from exc
+    known = {action.dest for action in parser._actions}
+    unknown = sorted(set(recorded) - known)
+    if unknown:
+        warn0(f"{path} records settings this base_train does not have, ignored: {', '.join(unknown)}")
+    return {k: v for k, v in recorded.items() if k in known and k not in NOT_RELAUNCHED}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,8 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     (main may run in-process)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     deterministic = torch.are_deterministic_algorithms_enabled()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        train(parse_args(argv))
+        train(parse_args(argv), argv)
     finally:
         release_locks()  # the output directory's and the run name's
         for sig, handler in handlers.items():
@@ -147,12 +246,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.use_deterministic_algorithms(deterministic)
 
 
-def train(args: argparse.Namespace) -> None:
+def train(args: argparse.Namespace, argv: list[str]) -> None:
+    started = time.perf_counter()
     if args.deterministic:  # before the first cuBLAS call, which reads the workspace setting
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)  # an op with no such kernel raises, naming itself
+    if args.target_flops and args.target_tokens:
+        raise PPTError("give the budget as --target-tokens or as --target-flops, not both")
     rt = init_runtime(args.device)
-    torch.manual_seed(args.seed)
+    data_seed = args.seed if args.data_seed is None else args.data_seed
+    model_seed = args.seed if args.model_seed is None else args.model_seed
+    torch.manual_seed(model_seed)  # the weights' initialization; the data order has its own seed
 
     # ---- model config, tokenizer and data ----------------------------------------------------------------------
     if args.config is None and args.depth is None:
@@ -168,6 +272,8 @@ def train(args: argparse.Namespace) -> None:
     seq_len = args.seq_len or min(2048, config.max_seq_len)
     if seq_len > config.max_seq_len:
         raise PPTError(f"--seq-len {seq_len} exceeds the config's max_seq_len {config.max_seq_len}; lower --seq-len")
+    if TRAIN_LENGTH_FIELD in {f.name for f in dataclasses.fields(config)}:  # recorded in every checkpoint (SPEC.md)
+        config = dataclasses.replace(config, **{TRAIN_LENGTH_FIELD: seq_len})
     total_batch = args.total_batch_tokens or 524_288
     device_batch = args.device_batch_size or max(1, min(32, total_batch // (seq_len * rt.world_size)))
     tokens_per_micro = device_batch * seq_len * rt.world_size
@@ -184,22 +290,9 @@ def train(args: argparse.Namespace) -> None:
     model.to_empty(device=rt.device)
     model.init_weights()
     n_params = sum(p.numel() for p in model.parameters())
-    target_tokens = int(args.target_tokens or 20 * n_params)
-    if target_tokens < total_batch:
-        raise PPTError(
-            f"--target-tokens {target_tokens} is less than one step of {total_batch} tokens (--total-batch-tokens); "
-            "raise --target-tokens or lower --total-batch-tokens"
-        )
-    total_steps = target_tokens // total_batch
-    last_step = min(total_steps, args.max_steps or total_steps)  # --max-steps stops early; the schedule is unchanged
-    flops = mfu_flops_per_token(model, seq_len)
-    peak = peak_flops(rt.device, rt.dtype)
+    lr = args.lr or DEFAULT_LR[args.optimizer]
 
-    optimizer = build_optimizer(
-        model, args.optimizer, lr=args.lr or DEFAULT_LR[args.optimizer], weight_decay=args.weight_decay
-    )
-    warmup_tokens = 0.01 * target_tokens if args.warmup_tokens is None else args.warmup_tokens
-    warmup_steps = round(warmup_tokens / total_batch)
+    optimizer = build_optimizer(model, args.optimizer, lr=lr, weight_decay=args.weight_decay)
     train_loader = DataLoader(
         data_dir,
         "train",
@@ -207,7 +300,7 @@ def train(args: argparse.Namespace) -> None:
         seq_len,
         rt.rank,
         rt.world_size,
-        args.seed,
+        data_seed,
         rt.device,
         expected_fingerprint=tokenizer.fingerprint,
         prefetch=args.loader_prefetch,
@@ -225,6 +318,7 @@ def train(args: argparse.Namespace) -> None:
             hold_lock(cache_dir() / "reports" / f".{tag}.lock", f"the run name {tag!r}", "give this run another --tag")
     config_dict = {"class": type(config).__name__, **dataclasses.asdict(config)}
     start_step, tokens_seen, history, skipped = 0, 0, [], 0
+    state: dict[str, Any] = {}
     resume_path = None
     if args.resume == "auto":
         resume_path = ckpt.latest_checkpoint(out_dir) if rt.is_master else None
@@ -236,7 +330,10 @@ def train(args: argparse.Namespace) -> None:
         resume_path = chosen[0]
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path, map_location=rt.device)
-        if diff := ckpt.config_mismatch(state["config"], config_dict):
+        saved_config = state["config"]
+        if TRAIN_LENGTH_FIELD in config_dict:  # a checkpoint from before the field trained at its loader's seq_len
+            saved_config = {TRAIN_LENGTH_FIELD: state["loader"]["seq_len"], **saved_config}
+        if diff := ckpt.config_mismatch(saved_config, config_dict):
             raise PPTError(f"checkpoint {resume_path} is from another config: " + "; ".join(diff))
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -245,6 +342,52 @@ def train(args: argparse.Namespace) -> None:
         start_step, tokens_seen, history = state["step"], state["tokens"], state.get("history", [])
         skipped = state.get("skipped_nonfinite_steps", 0)  # the --skip-nonfinite budget spans restarts
         print0(f"resumed from {resume_path} at step {start_step}")
+    wall_offset = state.get("wall_time_s", 0.0)  # the seconds earlier processes of this run spent up to the checkpoint
+
+    def wall_time() -> float:
+        return wall_offset + time.perf_counter() - started
+
+    # ---- FLOPs, read from the (resumed) model: learned windows are the trained ones -----------------------------
+    flops = mfu_flops_per_token(model, seq_len)  # the MFU convention: a throughput figure
+    peak = peak_flops(rt.device, rt.dtype)
+    comparison = state.get("comparison")  # the comparison rule: what runs are compared by
+    if comparison:
+        rule, rule_step = ComparisonFlops.from_state_dict(comparison["rule"]), comparison["rule_step"]
+        comparison_flops = comparison["flops"]
+    else:
+        rule, rule_step, comparison_flops = comparison_flops_rule(model, seq_len), start_step, 0
+        if start_step:
+            warn0(f"{resume_path} predates comparison FLOPs: they are counted from step {start_step} on")
+    if (warning := rule.warning()) and rt.is_master:
+        warn0(warning)
+
+    # ---- the budget and the schedule --------------------------------------------------------------------------
+    budget = state.get("budget")
+    if args.target_flops and (budget or {}).get("target_flops") != args.target_flops:
+        # the rule at the start and the first step's documents: every rank reads the same rows, so agrees
+        counts = first_step_doc_pos_counts(args, data_dir, device_batch, seq_len, grad_accum * rt.world_size, data_seed)
+        per_token = rule.per_token(counts)
+        budget = {
+            "target_flops": args.target_flops,
+            "comparison_flops_per_token_estimate": per_token,
+            "estimated_from": f"the first step's document positions and the model at step {start_step}",
+            "target_tokens": int(args.target_flops / per_token),
+        }
+    target_tokens = int(budget["target_tokens"] if args.target_flops else args.target_tokens or 20 * n_params)
+    if target_tokens < total_batch:
+        given = (
+            f"--target-flops {args.target_flops:g} ({target_tokens} tokens)"
+            if args.target_flops
+            else (f"--target-tokens {target_tokens}")
+        )
+        raise PPTError(
+            f"{given} is less than one step of {total_batch} tokens (--total-batch-tokens); raise the budget or "
+            "lower --total-batch-tokens"
+        )
+    total_steps = target_tokens // total_batch
+    last_step = min(total_steps, args.max_steps or total_steps)  # --max-steps stops early; the schedule is unchanged
+    warmup_tokens = 0.01 * target_tokens if args.warmup_tokens is None else args.warmup_tokens
+    warmup_steps = round(warmup_tokens / total_batch)
 
     # ---- compile and DDP --------------------------------------------------------------------------------------
     if args.benchmark:
@@ -258,7 +401,19 @@ def train(args: argparse.Namespace) -> None:
     # a benchmark writes no manifest: it must not overwrite the report of a real run with the same tag
     report = RunReport(tag, [cache_dir() / "reports", out_dir], enabled=rt.is_master and not args.benchmark)
     report.history = history
+    relaunch = {
+        **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in NOT_RELAUNCHED},
+        # what the run derived is recorded, so a relaunch trains the same even where defaults change later
+        **{"config": args.config, "tag": tag, "data_dir": str(data_dir), "seq_len": seq_len, "lr": lr},
+        **{"total_batch_tokens": total_batch, "warmup_tokens": warmup_tokens},
+        **({} if args.target_flops else {"target_tokens": target_tokens}),
+    }
     report.update(
+        argv=argv,
+        command=shlex.join(["python", "-m", "scripts.base_train", *argv]),
+        relaunch=f"python -m scripts.base_train --from-manifest {report.paths[0]}",
+        args=relaunch,
+        config_name=args.config or f"d{args.depth}",
         config=config_dict,
         tokenizer={"name": tokenizer.name, "fingerprint": tokenizer.fingerprint, "demo": tokenizer.is_demo},
         data={"dir": str(data_dir), "fingerprint": train_loader.fingerprint()},
@@ -269,30 +424,58 @@ def train(args: argparse.Namespace) -> None:
             "grad_accum": grad_accum,
             "world_size": rt.world_size,
             "optimizer": args.optimizer,
-            "lr": args.lr or DEFAULT_LR[args.optimizer],
+            "lr": lr,
+            "optimizer_groups": optimizer_settings(optimizer),
+            "weight_decay": args.weight_decay,
+            "grad_clip": args.grad_clip,
             "schedule": args.schedule,
+            "warmup_tokens": warmup_tokens,
+            "warmup_steps": warmup_steps,
+            "decay_frac": args.decay_frac,
             "steps": total_steps,
+            "last_step": last_step,
             "target_tokens": target_tokens,
+            "budget": budget,
+            "doc_masks": not args.no_doc_masks,
+            "deterministic": args.deterministic,
             "seed": args.seed,
+            "data_seed": data_seed,
+            "model_seed": model_seed,
             "dtype": str(rt.dtype),
             "compile": use_compile,
             "compile_mode": args.compile_mode if use_compile else None,
             "loader_prefetch": args.loader_prefetch,
+            "skip_nonfinite": args.skip_nonfinite,
+            "eval_every": args.eval_every,
+            "eval_tokens": int(args.eval_tokens),
+            "recipe": args.recipe,
         },
         params=n_params,
         flops_per_token=flops,
+        comparison_flops_rule={
+            "rule": "3 x the forward FLOPs the model's math needs: 6N per token + 3 x each token mixer's forward FLOPs "
+            "over the (query, key) pairs it needs (SPEC.md, Measurement)",
+            "per_token_one_document_per_row": rule.per_token(),
+            "traced_at_step": rule_step,
+            **rule.state_dict(),
+        },
+        wall_time_includes="seconds since this process started training (set-up, compilation, steps, evaluations, "
+        "checkpoint writes), plus those of the processes before it up to the checkpoint it resumed from",
     )
-    wandb_run = None
+    wandb_run, wandb_id = None, state.get("wandb_id")
     if args.run and rt.is_master:
         import wandb
 
-        wandb_run = wandb.init(project="ppt", name=args.run, config=report.data)
+        wandb_run = wandb.init(project="ppt", name=args.run, id=wandb_id, resume="allow", config=report.data)
+        wandb_id = wandb_run.id
+        report.update(wandb={"project": "ppt", "name": args.run, "id": wandb_id})
 
     print0(
         f"{tag}: {n_params / 1e6:.1f}M params, {total_steps} steps x {total_batch} tokens "
         f"(device batch {device_batch} x {seq_len}, accum {grad_accum}, world {rt.world_size}), "
         f"{rt.device} {str(rt.dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}, "
-        f"{flops['mfu'] / 1e9:.3f} GFLOP/token"
+        f"FLOPs/token {flops['mfu'] / 1e9:.4g}G (MFU convention), {rule.per_token() / 1e9:.4g}G (comparison rule, "
+        "one document per row)"
     )
     epochs = total_steps * total_batch / train_loader.tokens_per_epoch
     if epochs > 1:
@@ -302,22 +485,29 @@ def train(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
-    def sync_step(train_loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, bool, int]:
-        """The step's one host sync: (loss averaged over ranks, finite loss and gradient, signal to stop on or 0).
-        Ranks can receive a signal in different steps; the flags ride on the loss all-reduce so that every rank
-        stops after the same step (one that stopped alone would leave the others waiting in their next all-reduce).
+    def sync_step(
+        train_loss: torch.Tensor, grad_norm: torch.Tensor, counts: np.ndarray
+    ) -> tuple[float, float, bool, int, np.ndarray]:
+        """The step's one host sync: (loss averaged over ranks, gradient norm, finite loss and gradient, signal to
+        stop on or 0, the document-position counts of every rank's tokens). Ranks can receive a signal in different
+        steps; the flags ride on the loss all-reduce so that every rank stops after the same step (one that stopped
+        alone would leave the others waiting in their next all-reduce). The counts ride along for the comparison
+        FLOPs; fp32 holds them exactly (each is at most the step's tokens, far below 2^24).
         """
         stats = torch.stack([train_loss, grad_norm.float()])
         flags = [float(sig in stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)]
         if rt.distributed:
-            stats = torch.cat([stats, torch.tensor(flags, device=rt.device)])
-            torch.distributed.all_reduce(stats)  # summed: the loss is divided by the world size below
-            loss_sum, norm_sum, *flags = stats.tolist()
+            host = torch.from_numpy(np.concatenate([flags, counts]).astype(np.float32))
+            stats = torch.cat([stats, host.to(rt.device)])
+            torch.distributed.all_reduce(stats)  # summed: the loss and norm are divided by the world size below
+            values = stats.cpu().numpy().astype(np.float64)
+            loss_sum, norm_sum, flags = float(values[0]), float(values[1]), values[2:4].tolist()
+            counts = np.rint(values[4:]).astype(np.int64)
         else:
             loss_sum, norm_sum = stats.tolist()
-        loss = loss_sum / rt.world_size
+        loss, norm = loss_sum / rt.world_size, norm_sum / rt.world_size
         stop = signal.SIGTERM if flags[0] else signal.SIGINT if flags[1] else 0
-        return loss, math.isfinite(loss) and math.isfinite(norm_sum), int(stop)
+        return loss, norm, math.isfinite(loss) and math.isfinite(norm), int(stop), counts
 
     def save(step: int) -> None:
         if rt.is_master:
@@ -331,11 +521,15 @@ def train(args: argparse.Namespace) -> None:
                 "history": report.history,
                 "skipped_nonfinite_steps": skipped,
                 "tokenizer_fingerprint": tokenizer.fingerprint,
+                "comparison": {"flops": comparison_flops, "rule": rule.state_dict(), "rule_step": rule_step},
+                "budget": budget,
+                "wall_time_s": wall_time(),
+                "wandb_id": wandb_id,
             }
             path = ckpt.save_checkpoint(out_dir, step, payload, keep=args.keep)
             print0(f"saved {path}")
 
-    def evaluate(step: int) -> dict[str, float]:
+    def evaluate(step: int) -> dict[str, Any]:
         val_loader = DataLoader(
             data_dir,
             "val",
@@ -353,8 +547,19 @@ def train(args: argparse.Namespace) -> None:
         print0(
             f"step {step:6d} | val nll {result['nll']:.4f} | val bpb {result['bpb']:.4f} ({result['tokens']} tokens)"
         )
-        report.log_step(step=step, tokens=tokens_seen, val_nll=result["nll"], val_bpb=result["bpb"])
-        return result
+        entry = {
+            "step": step,
+            "tokens": tokens_seen,
+            "comparison_flops": comparison_flops,
+            "wall_time_s": wall_time(),
+            "val_nll": result["nll"],
+            "val_bpb": result["bpb"],
+            "eval_tokens": result["tokens"],
+        }
+        report.log_step(**entry)
+        if wandb_run:
+            wandb_run.log(for_wandb(entry), step=step)
+        return entry
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     # One host sync per step, after backward, and none at its end: the host queues the next step while the GPU
@@ -367,13 +572,17 @@ def train(args: argparse.Namespace) -> None:
     profiler = StepProfiler(rt.device, first=5, steps=3) if args.profile and rt.is_master else None
     profiled_steps: set[int] = set()  # slowed by the profiler: left out of a benchmark's figures
     last_sync = time.perf_counter()
+    first_sync = None  # after this process's first step (compilation): the ETA's clock starts there
     while step < last_step:
         if profiler and profiler.step():
             profiled_steps.add(step + 1)
         if stop_signal and not rt.distributed:  # a lone process stops before it starts another step
             stopping = stop_signal[0]
             break
-        set_lr(optimizer, lr_multiplier(step, total_steps, warmup_steps, args.schedule))
+        if step % RULE_RETRACE_STEPS == 0 and step != rule_step:
+            rule, rule_step = comparison_flops_rule(model, seq_len), step
+            last_sync = time.perf_counter()  # the trace's time is not the step's
+        set_lr(optimizer, lr_multiplier(step, total_steps, warmup_steps, args.schedule, args.decay_frac))
         loss_sum = torch.zeros((), device=rt.device)
         data_time = 0.0
         for micro in range(grad_accum):
@@ -386,8 +595,11 @@ def train(args: argparse.Namespace) -> None:
                 loss = train_model(inputs, targets, doc_pos)
             (loss / grad_accum).backward()
             loss_sum += loss.detach()
+        counts = train_loader.take_doc_pos_counts()
+        if args.no_doc_masks:  # whole rows are the documents: each position once per row
+            counts = np.full(seq_len, counts.sum() // seq_len, dtype=np.int64)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        loss_value, finite, stopping = sync_step(loss_sum / grad_accum, grad_norm)
+        loss_value, norm_value, finite, stopping, counts = sync_step(loss_sum / grad_accum, grad_norm, counts)
         now = time.perf_counter()
         dt, last_sync = now - last_sync, now
         if step == start_step:
@@ -395,6 +607,7 @@ def train(args: argparse.Namespace) -> None:
             # collector's full scans, which otherwise pause the host whenever they run (260 ms with a compiled
             # 32-layer model alive, on a 2-core CPU): under DDP one rank's pause holds up every rank.
             gc.freeze()
+            first_sync = now
         if not finite:
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
@@ -416,26 +629,35 @@ def train(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += total_batch
+        comparison_flops += rule.step_flops(counts)
         tok_per_s = total_batch / dt
         mfu = flops["mfu"] * tok_per_s / (peak * rt.world_size) if peak else None
+        memory_key, memory = memory_gb(rt.device)
         report.log_step(
             step=step,
             tokens=tokens_seen,
+            comparison_flops=comparison_flops,
+            wall_time_s=wall_time(),
             loss=loss_value,
             lr=optimizer.param_groups[0]["lr"],
+            grad_norm=norm_value,
             tok_per_s=tok_per_s,
             step_time=dt,
             data_time=data_time,
             **({"mfu": mfu} if mfu is not None else {}),
+            **{memory_key: memory},
         )
         if step % args.log_every == 0 or step == last_step:
             mfu_text = f" | mfu {100 * mfu:5.1f}%" if mfu is not None else ""
+            per_step = (now - first_sync) / (step - start_step - 1) if step - start_step > 1 else dt
             print0(
-                f"step {step:6d}/{total_steps} | loss {loss_value:.4f} | lr {optimizer.param_groups[0]['lr']:.2e} "
-                f"| {tok_per_s:,.0f} tok/s | {1000 * dt:.0f} ms{mfu_text}"
+                f"step {step:6d}/{total_steps} ({100 * step / last_step:.1f}%) | loss {loss_value:.4f} "
+                f"| lr {optimizer.param_groups[0]['lr']:.2e} | grad {norm_value:.3f} | {tok_per_s:,.0f} tok/s "
+                f"| {1000 * dt:.0f} ms{mfu_text} | mem {memory:.2f} GB | {duration(wall_time())} elapsed, eta "
+                f"{duration(per_step * (last_step - step))}"
             )
             if wandb_run:
-                wandb_run.log(report.history[-1], step=step)
+                wandb_run.log(for_wandb(report.history[-1]), step=step)
         if stopping:
             break
         if args.eval_every and step % args.eval_every == 0 and step < last_step:
@@ -473,6 +695,8 @@ def train(args: argparse.Namespace) -> None:
         final_val=final,
         steps_done=step,
         tokens=tokens_seen,
+        comparison_flops=comparison_flops,
+        wall_time_s=final["wall_time_s"],
         skipped_nonfinite_steps=skipped,
         finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
@@ -486,6 +710,51 @@ def train(args: argparse.Namespace) -> None:
     if wandb_run:
         wandb_run.finish()
     shutdown_runtime()
+
+
+def first_step_doc_pos_counts(
+    args: argparse.Namespace, data_dir: Path, batch_size: int, seq_len: int, micro_batches: int, seed: int
+) -> np.ndarray:
+    """Document-position counts of the first step's rows, all ranks together: ranks read rows in blocks of a batch,
+    so they are the first `micro_batches` batches of one process."""
+    loader = DataLoader(data_dir, "train", batch_size, seq_len, seed=seed, prefetch=0)
+    for _ in range(micro_batches):
+        next(loader)
+    counts = loader.take_doc_pos_counts()
+    return np.full(seq_len, counts.sum() // seq_len, dtype=np.int64) if args.no_doc_masks else counts
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every param group's settings (role, algorithm, initial_lr, betas, weight decay, ...), without its tensors and
+    its current lr (the schedule's, which a resumed optimizer brings along)."""
+    return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+
+
+def memory_gb(device: torch.device) -> tuple[str, float]:
+    """The memory figure of the log: CUDA's peak allocated memory, elsewhere the process's peak resident size."""
+    if device.type == "cuda":
+        return "cuda_max_alloc_gb", torch.cuda.max_memory_allocated(device) / 1e9
+    import resource  # POSIX; ru_maxrss is KiB on Linux, bytes on macOS
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return "max_rss_gb", peak * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+def duration(seconds: float) -> str:
+    """42s, 5m08s, 7h58m, 2d03h."""
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def for_wandb(entry: dict[str, Any]) -> dict[str, Any]:
+    """wandb's metrics: integers past 2^53 (cumulative FLOPs) as floats."""
+    return {k: float(v) if isinstance(v, int) and abs(v) > 2**53 else v for k, v in entry.items()}
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:

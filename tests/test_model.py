@@ -253,6 +253,44 @@ def test_long_windows_become_full_prefix_at_eval():
     assert torch.equal(eval_windows[~long], trained_windows[~long])
 
 
+def test_heads_longer_than_the_training_length_see_the_whole_prefix_after_reload(demo_data_dir, tmp_path):
+    """Trained on 64-token rows of a model whose max_seq_len is 256: at eval, reloaded from the checkpoint the way
+    evaluation loads it, exactly the heads whose window exceeds 64 become full-prefix; resuming sees no mismatch, also
+    from a checkpoint saved before the training length was recorded."""
+    from ppt import checkpoint as ckpt
+    from scripts import base_train
+    from scripts.model_io import build_from_checkpoint, load_run
+
+    def train(*extra: str) -> None:
+        sizes = "--seq-len 64 --device-batch-size 2 --total-batch-tokens 128 --target-tokens 1e6 --eval-tokens 256"
+        base_train.main(["--config", "multiscreen-tiny", "--optimizer", "aurora", *sizes.split(),
+                         "--data-dir", str(demo_data_dir), "--out-dir", str(tmp_path), *extra])  # fmt: skip
+
+    train("--max-steps", "2")
+    run = load_run(checkpoint=tmp_path)
+    assert run.config["train_seq_len"] == 64 and run.config["max_seq_len"] == 256
+    model = build_from_checkpoint(run)
+    for block in model.blocks:
+        trained = block.s_w.detach().exp() + 1
+        assert ((trained > 64) & (trained <= 256)).any()  # heads that only the training length makes full-prefix
+        eval_windows = block.window()
+        assert torch.equal(torch.isinf(eval_windows), trained > 64)
+        torch.testing.assert_close(eval_windows[trained <= 64], trained[trained <= 64])
+
+    path = ckpt.latest_checkpoint(tmp_path)
+    state = ckpt.load_checkpoint(path)
+    del state["config"]["train_seq_len"]  # as saved before the field existed
+    torch.save(state, path)
+    train("--max-steps", "3", "--resume", "auto")
+    assert load_run(checkpoint=tmp_path).state["step"] == 3
+
+
+def test_multiscreen_embedding_rows_start_at_the_papers_norm():
+    model = fresh("multiscreen-tiny")
+    row_norms = model.embed.norm(dim=-1)
+    assert abs(row_norms.mean().item() - 0.1) < 0.005  # 0.1 / sqrt(d) per entry, as in the paper
+
+
 def test_multiscreen_sizes():
     config = get_config("multiscreen-d24")
     assert (config.n_layer, config.n_head, config.d_model, config.d_key, config.d_value) == (24, 24, 576, 16, 64)

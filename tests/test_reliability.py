@@ -75,8 +75,9 @@ def manifest(out_dir: Path, tag: str) -> dict:
 
 
 def trajectory(history: list[dict]) -> list[tuple]:
-    """What must not change when a run is interrupted: per-step loss, LR and tokens, and the val results."""
-    train_rows = [(h["step"], h["tokens"], h["loss"], h["lr"]) for h in history if "loss" in h]
+    """What must not change when a run is interrupted: per-step loss, LR, tokens and comparison FLOPs, and the val
+    results."""
+    train_rows = [(h["step"], h["tokens"], h["comparison_flops"], h["loss"], h["lr"]) for h in history if "loss" in h]
     val_rows = [(h["step"], h["val_nll"], h["val_bpb"]) for h in history if "val_nll" in h]
     return train_rows + val_rows
 

@@ -155,6 +155,7 @@ def test_cost_counts_in_window_in_document_pairs():
     assert cost["pairs"] == brute
     assert cost["fwd_flops"] == 2 * (dK + dV) * brute and cost["bwd_flops"] == 2 * cost["fwd_flops"]
     assert cost["fwd_bytes"] == 2 * B * T * H * (2 * dK + 2 * dV) + 8 * B * T
+    assert cost["bwd_bytes"] == 2 * B * T * H * (4 * dK + 3 * dV) + 8 * B * T  # q, k, v, dh in; dq, dk, dv out
     # without readable values: an upper bound from shapes alone
     estimate = screening_cost(B, T, H, dK, dV, torch.empty(H, device="meta"), None)
     assert estimate["pairs"] == B * H * T * (T + 1) // 2
@@ -220,12 +221,16 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     ref_out = screening_reference(*leaves, meta)
     refs = [ref_out, *torch.autograd.grad(ref_out, leaves, grad_out.double())]
     errors = {{}}
-    for label, fwd_blocks, dq_blocks, dkdv_blocks in [
-        ("square", (16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
-        ("mixed", (32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)),
+    one = lambda blocks: ((None, blocks),)
+    two = lambda short, long: ((8, short), (None, long))  # spans <= 8 (windows 1, 3.5) and longer (40, inf)
+    for label, fwd_plan, dq_plan, dkdv_plan in [
+        ("square", one((16, 16, 4, 1)), one((16, 16, 4, 1)), one((16, 16, 4, 1))),
+        ("mixed", one((32, 16, 4, 1)), one((16, 32, 4, 1)), one((32, 16, 4, 1))),
+        ("classes", two((16, 16, 4, 1), (32, 16, 4, 1, 96)), two((16, 32, 4, 1), (16, 16, 4, 1)),
+         two((16, 32, 4, 1, 128), (32, 16, 4, 1))),  # a fifth number caps the registers
     ]:
-        out = screening_forward(q, k, v, window, rho, meta[0], blocks=fwd_blocks)
-        grads = screening_backward(q, k, v, window, rho, *meta, grad_out, dq_blocks=dq_blocks, dkdv_blocks=dkdv_blocks)
+        out = screening_forward(q, k, v, window, rho, meta[0], plan=fwd_plan)
+        grads = screening_backward(q, k, v, window, rho, *meta, grad_out, dq_plan=dq_plan, dkdv_plan=dkdv_plan)
         for name, got, ref in zip(["out", "dq", "dk", "dv", "dwindow", "drho"], [out, *grads], refs):
             err = (got.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)
             errors[label + " " + name] = float(err) if torch.isfinite(got).all() else float("inf")
@@ -241,7 +246,7 @@ def test_triton_kernels_in_interpreter_match_float64_reference():
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(errors) == 12
+    assert len(errors) == 18
     bad = {name: err for name, err in errors.items() if not err < 1e-5}
     assert not bad, f"relative errors above 1e-5: {bad}"
 
@@ -313,16 +318,53 @@ def test_cuda_backward_is_deterministic_and_compile_matches_eager():
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("blocks", [(16, 16, 1, 1), (64, 32, 4, 2), (32, 64, 4, 3)])
-def test_cuda_kernels_agree_across_block_configs(blocks):
-    """The kernels are exact for any tiling, not only the default one (T = 1000 leaves partial tiles)."""
+@pytest.mark.parametrize(
+    "plan",
+    [((None, (16, 16, 1, 1)),), ((None, (64, 32, 4, 2)),), ((None, (32, 64, 4, 3)),),
+     ((4, (16, 16, 1, 1)), (64, (32, 16, 2, 2)), (None, (64, 64, 4, 2)))],
+)  # fmt: skip
+def test_cuda_kernels_agree_across_block_configs(plan):
+    """The kernels are exact for any tiling and any split into window classes, not only the default one (T = 1000
+    leaves partial tiles)."""
     from ppt.kernels.screening_triton import screening_backward, screening_forward
 
     q, k, v, window, rho, meta, grad_out = _cuda_case(2, 1000, 4, 16, 64, torch.bfloat16, seed=10)
     leaves = [x.double().requires_grad_() for x in (q, k, v, window, rho)]
     ref_out = screening_reference(*leaves, meta)
     refs = [ref_out, *torch.autograd.grad(ref_out, leaves, grad_out.double())]
-    out = screening_forward(q, k, v, window, rho, meta[0], blocks=blocks)
-    grads = screening_backward(q, k, v, window, rho, *meta, grad_out, dq_blocks=blocks, dkdv_blocks=blocks)
+    out = screening_forward(q, k, v, window, rho, meta[0], plan=plan)
+    grads = screening_backward(q, k, v, window, rho, *meta, grad_out, dq_plan=plan, dkdv_plan=plan)
     for name, got, ref in zip(["out", "dq", "dk", "dv", "dwindow", "drho"], [out, *grads], refs):
         assert torch.isfinite(got).all() and _relative_error(got, ref) <= 1e-2, name
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tools around the kernels
+
+
+def test_kernel_stats_compiles_for_sm90_without_a_gpu(capsys):
+    """scripts.kernel_stats compiles a kernel ahead of time for an H100/H200 and reads its registers and loop."""
+    pytest.importorskip("triton")
+    from scripts.kernel_stats import CUOBJDUMP, main
+
+    if not CUOBJDUMP.is_file():
+        pytest.skip("this Triton ships no cuobjdump")
+    main(["--kernels", "forward", "--blocks", "16,16,1,2"])
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    kind, regs, loop = row.split()[0], int(row.split()[5]), int(row.split()[10])
+    assert kind == "forward" and 0 < regs <= 255 and loop > 0
+    assert "HMMA" in row  # the loop's dots run on tensor cores
+
+
+E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bench_multiscreen_e2e.sh")
+
+
+def test_bench_multiscreen_e2e_answers_help():
+    result = subprocess.run(["bash", E2E, "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("usage:")
+
+
+@pytest.mark.parametrize("args", [[], ["17"], ["16", "1", "seed", "--ref", "/nonexistent"]])
+def test_bench_multiscreen_e2e_names_what_it_needs(args):
+    result = subprocess.run(["bash", E2E, *args], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1

@@ -17,6 +17,8 @@ Public API:
     screening_cost(B, T, H, dK, dV, window, meta, dtype)   {"pairs", "fwd_flops", "bwd_flops", "fwd_bytes", ...}
     COST_FORMULAS / FLOP_FORMULAS                          {op packet: formula(*op_args, **kw)} for the forward and
                                                            backward ops; FlopCounterMode(custom_mapping=FLOP_FORMULAS)
+    PAIR_FORMULAS                                          {op packet: needed_pairs}: per head (FLOPs per pair,
+                                                           reach), for ppt.flops's comparison rule
 
 Shapes and dtypes: q, k (B, T, H, dK); v (B, T, H, dV); bf16, fp16, fp32 (and fp64 on CPU); window, rho (H,)
 float32; meta = (doc_start, doc_end), both (B, T) int32. The CUDA kernels tile head dims of 16, 32, 64 or 128.
@@ -320,7 +322,7 @@ def screening_cost(
     """FLOPs and HBM bytes of one screening call, counting in-window, in-document pairs only (see `_pair_count`).
 
     Forward: 2 (dK + dV) FLOPs per pair (q.k and alpha m v); backward 4 (dK + dV) (dQ, dK, the score gradient and
-    dV). Bytes: forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv.
+    dV). Bytes, each tensor once: forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv.
     """
     pairs = _pair_count(T, window, meta, B, H)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -331,7 +333,7 @@ def screening_cost(
         "fwd_flops": 2 * (dK + dV) * pairs,
         "bwd_flops": 4 * (dK + dV) * pairs,
         "fwd_bytes": elem * tokens * (2 * dK + 2 * dV) + meta_bytes,
-        "bwd_bytes": elem * tokens * (4 * dK + 4 * dV) + meta_bytes,
+        "bwd_bytes": elem * tokens * (4 * dK + 3 * dV) + meta_bytes,
     }
 
 
@@ -367,6 +369,17 @@ def _backward_flops(*args: object, **kwargs: object) -> int:
 _forward_flops._get_raw = True
 _backward_flops._get_raw = True
 
+
+def needed_pairs(q: Tensor, k: Tensor, v: Tensor, window: Tensor, *args: object, **kwargs: object) -> list[tuple]:
+    """For the comparison-FLOPs rule: per head, (forward FLOPs per needed pair, reach). A query needs the keys of its
+    document inside its head's window, ceil(w) at most (math.inf for w = inf, and for every head when the window
+    values cannot be read: the causal upper bound)."""
+    flops_per_pair = 2 * (q.shape[-1] + v.shape[-1])
+    if not _readable(window):
+        return [(flops_per_pair, math.inf)] * q.shape[2]
+    return [(flops_per_pair, math.inf if math.isinf(w) else math.ceil(w)) for w in window.detach().cpu().tolist()]
+
+
 # Keyed by op packet, as FlopCounterMode looks ops up; each takes the op's arguments (extra keywords such as
 # out_val are ignored). COST_FORMULAS gives {"flops", "bytes"}, FLOP_FORMULAS the FLOPs alone.
 COST_FORMULAS: dict[object, Callable[..., dict[str, int]]] = {
@@ -377,3 +390,5 @@ FLOP_FORMULAS: dict[object, Callable[..., int]] = {
     torch.ops.ppt.screening: _forward_flops,
     torch.ops.ppt.screening_backward: _backward_flops,
 }
+# ppt.flops's comparison rule: the pairs the forward op needs (the rule counts a backward as twice its forward)
+PAIR_FORMULAS: dict[object, Callable[..., list[tuple]]] = {torch.ops.ppt.screening: needed_pairs}

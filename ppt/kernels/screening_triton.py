@@ -3,28 +3,68 @@
 Three kernels, one program per (batch row, head, tile), no atomics:
   forward : per query tile, loop over the key tiles its window and document reach
   dQ      : same loop; also writes per-program partial sums of d window and d rho (reduced by torch afterwards)
-  dK/dV   : per key tile, loop over the query tiles whose window and document reach it
+  dK/dV   : per key tile, loop over the query tiles whose window and document reach it; its tiles are (keys x
+            queries), so the products it feeds back into dK and dV need no transpose
 Loop bounds come from the window and the document metadata inside the kernel, so no host sync and no wasted tiles
-outside [max(doc start, i0 - ceil(w) + 1), i1]; tiles wholly inside window and document skip the mask. The softmask
-cos(pi (i - j) / w) is a rank-2 product cos a_i cos a_j + sin a_i sin a_j of per-row and per-column angles, taken
+outside [max(doc start, i0 - ceil(w) + 1), i1]; tiles wholly inside window and document skip the mask.
+
+The softmask is squared from u = cos(pi (i - j) / (2 w)): (cos(pi (i - j) / w) + 1) / 2 = u^2, and u >= 0 inside the
+window. u is a rank-2 product cos a_i cos a_j + sin a_i sin a_j of per-row and per-column half angles, taken
 relative to the current tile (small angles stay accurate on long rows) and turned from tile to tile by angle
-addition, so a program evaluates sin/cos once per row and column rather than once per pair.
+addition, so a program evaluates sin/cos once per row and column rather than once per pair; alpha m = (trim u)^2.
+
+Each kernel runs as a plan of window classes: one launch per class, each with its own tile sizes, over every head;
+a program whose head's span ceil(min(w, T)) lies outside its class returns at once. Short windows want small tiles
+(they would mostly compute masked-out pairs), long ones large tiles (fewer reloads of the keys from L2), and no
+window value ever reaches the host. The default plans have one class.
+
 Operands go to tensor cores in the input dtype (bf16/fp16) with fp32 accumulation; fp32 inputs use IEEE dots.
 """
 
 # ruff: noqa: ANN001  (Triton reads a kernel argument's annotation as its type or constexpr marker)
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per kernel: the fastest of a sweep on an H200 at the model's
-# shape (dK 16, dV 64, windows 2..257; scripts/bench_screening.py --sweep). Small tiles win: most heads' windows are
-# short, so larger tiles mostly compute masked-out pairs.
-FORWARD_BLOCKS = (32, 16, 2, 3)
-DQ_BLOCKS = (32, 16, 2, 2)
-DKDV_BLOCKS = (16, 32, 1, 1)
+# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages[, maxnreg]): a fifth number caps registers per thread, which
+# trades spills for resident warps (the kernels are latency-bound at small tiles)
+Blocks = tuple[int, ...]
+Plan = tuple[tuple[int | None, Blocks], ...]  # ((largest span of the class, None for no limit), blocks) by span
+
+# The blocks an H200 sweep found fastest for one class at the model's shape (dK 16, dV 64, windows 2..257), measured
+# on the kernels before window classes (c4ba8bb); `scripts/bench_screening.py --sweep` prints the fastest plans now.
+FORWARD_PLAN: Plan = ((None, (32, 16, 2, 3)),)
+DQ_PLAN: Plan = ((None, (32, 16, 2, 2)),)
+DKDV_PLAN: Plan = ((None, (16, 32, 1, 1)),)
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_HALF_PI = tl.constexpr(1.5707963267948966)
+
+
+def _interpreter_loop_bounds_compat() -> None:
+    """Triton 3.6's interpreter turns a `range` bound into a Python int with int(array); numpy >= 2.4 refuses that
+    for the one-element arrays in which the interpreter holds scalars (later Tritons squeeze the array first). Give
+    the interpreter the later rule, so loops bounded by tensors run under both."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "squeezes_bounds", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.squeezes_bounds = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_loop_bounds_compat()
 
 
 @triton.jit
@@ -35,29 +75,32 @@ def _span(w, T):
 
 @triton.jit
 def _rotate(cos_a, sin_a, cos_b, sin_b):
-    """(cos, sin) of a + b from those of a and b: moves a tile's softmask angles to the next tile."""
+    """(cos, sin) of a + b from those of a and b: moves a tile's half angles to the next tile."""
     return cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
 
 
 @triton.jit
-def _softmask(cos_row, sin_row, cos_col, sin_col):
-    """(cos(row - col) + 1) / 2 over a tile, the angles being pi * position / w (angle addition: rank 2)."""
-    return 0.5 + 0.5 * (cos_row[:, None] * cos_col[None, :] + sin_row[:, None] * sin_col[None, :])
+def _half_softmask(cos_row, sin_row, cos_col, sin_col):
+    """u = cos(row - col) over a tile from per-row and per-column half angles; the softmask is u^2."""
+    return cos_row[:, None] * cos_col[None, :] + sin_row[:, None] * sin_col[None, :]
 
 
 @triton.jit
-def _in_mask(i0, j0, w, doc_start_i, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Which pairs of the (query tile at i0, key tile at j0) are causal, in the window and in the document."""
-    offs_i = i0 + tl.arange(0, BLOCK_M)
-    offs_j = j0 + tl.arange(0, BLOCK_N)
-    lag = offs_i[:, None] - offs_j[None, :]
-    return (lag >= 0) & (lag.to(tl.float32) < w) & (offs_j[None, :] >= doc_start_i[:, None])
+def _visible_count(offs_i, doc_start_i, span):
+    """Per query row: how many keys back from itself it sees, min(span, i - doc_start + 1), never below 0."""
+    return tl.maximum(tl.minimum(span, offs_i - doc_start_i + 1), 0)
 
 
 @triton.jit
-def _tile_is_inside(i0, j0, w, doc_start_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _lag_is_visible(lag, visible):
+    """0 <= lag < visible in one unsigned compare (a negative lag wraps to a large unsigned number)."""
+    return lag.to(tl.uint32, bitcast=True) < visible.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _tile_is_inside(i0, j0, span, doc_start_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """True when every pair of the tile is causal, in the window and in the document: the mask can be skipped."""
-    return (j0 + BLOCK_N - 1 <= i0) & ((i0 + BLOCK_M - 1 - j0).to(tl.float32) < w) & (j0 >= doc_start_max)
+    return (j0 + BLOCK_N - 1 <= i0) & (i0 + BLOCK_M - 1 - j0 < span) & (j0 >= doc_start_max)
 
 
 @triton.jit
@@ -76,56 +119,61 @@ def _store_rows(PTR, x, b, start, T, stride_b, stride_t, col_offset, D: tl.const
 
 
 @triton.jit
-def _query_tile_setup(DOC_START, b, i0, T, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Per query tile: doc_start of its rows, the largest of them, and the key range [first_key, last_key)."""
+def _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per query tile: how many keys each row sees, the largest doc start, and the key range [first_key, last_key)."""
     offs_i = i0 + tl.arange(0, BLOCK_M)
     row_ok = offs_i < T
     doc_start_i = tl.load(DOC_START + b * T + offs_i, mask=row_ok, other=0)
     doc_start_min = tl.min(tl.where(row_ok, doc_start_i, T), axis=0)
     doc_start_max = tl.max(doc_start_i, axis=0)
-    first_key = tl.maximum(doc_start_min, i0 - _span(w, T) + 1)
+    first_key = tl.maximum(doc_start_min, i0 - span + 1)
     first_key = (first_key // BLOCK_N) * BLOCK_N
     last_key = tl.minimum(i0 + BLOCK_M, T)
-    return doc_start_i, doc_start_max, first_key, last_key
+    return _visible_count(offs_i, doc_start_i, span), doc_start_max, first_key, last_key
 
 
-# Rows and columns of the (query x key) tile carry angles pi * position / w with positions relative to the
-# current key tile: row angles start at pi (r + i0 - first_key) / w and turn by -pi BLOCK_N / w per key tile, column
-# angles pi c / w stay put. A handful of sin/cos per program instead of one per column per tile.
+# Rows and columns of the (query x key) tile carry half angles pi * position / (2 w) with positions relative to the
+# current key tile: row angles start at (r + i0 - first_key) * half_phase and turn by -BLOCK_N * half_phase per key
+# tile, column angles c * half_phase stay put. A handful of sin/cos per program instead of one per pair.
 
 
 @triton.jit
 def _forward_kernel(
     Q, K, V, OUT, WINDOW, RHO, DOC_START,
-    T, H, stride_b, stride_t, stride_vb, stride_vt,
+    T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     i0 = tl.program_id(1) * BLOCK_M
     b, h = bh // H, bh % H
     w = tl.load(WINDOW + h)
+    span = _span(w, T)
+    if (span < span_lo) | (span > span_hi):  # another class's launch handles this head
+        return
     rho = tl.load(RHO + h)
-    phase = 3.141592653589793 / w  # 0 for w = inf: the softmask is 1
+    half_phase = _HALF_PI / w  # 0 for w = inf: the softmask is 1
 
-    doc_start_i, doc_start_max, first_key, last_key = _query_tile_setup(DOC_START, b, i0, T, w, BLOCK_M, BLOCK_N)
+    visible, doc_start_max, first_key, last_key = _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M, BLOCK_N)
     q = _load_rows(Q, b, i0, T, stride_b, stride_t, h * DK, DK, BLOCK_M)
-    row_angle = (tl.arange(0, BLOCK_M) + (i0 - first_key)).to(tl.float32) * phase
+    rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+    row_angle = (rows + (i0 - first_key)).to(tl.float32) * half_phase
     cos_row, sin_row = tl.cos(row_angle), tl.sin(row_angle)
-    col_angle = tl.arange(0, BLOCK_N).to(tl.float32) * phase
+    col_angle = cols.to(tl.float32) * half_phase
     cos_col, sin_col = tl.cos(col_angle), tl.sin(col_angle)
-    cos_step, sin_step = tl.cos(-BLOCK_N * phase), tl.sin(-BLOCK_N * phase)
+    cos_step, sin_step = tl.cos(-BLOCK_N * half_phase), tl.sin(-BLOCK_N * half_phase)
 
     acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
     for j0 in range(first_key, last_key, BLOCK_N):
         k = _load_rows(K, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
         v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        trimmed = tl.maximum(1.0 - rho + rho * s, 0.0)
-        m = _softmask(cos_row, sin_row, cos_col, sin_col)
-        if not _tile_is_inside(i0, j0, w, doc_start_max, BLOCK_M, BLOCK_N):
-            m = tl.where(_in_mask(i0, j0, w, doc_start_i, BLOCK_M, BLOCK_N), m, 0.0)
-        p = trimmed * trimmed * m
-        acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        trimmed = tl.maximum(rho * s + (1.0 - rho), 0.0)
+        u = _half_softmask(cos_row, sin_row, cos_col, sin_col)
+        if not _tile_is_inside(i0, j0, span, doc_start_max, BLOCK_M, BLOCK_N):
+            lag = (rows + (i0 - j0))[:, None] - cols[None, :]
+            u = tl.where(_lag_is_visible(lag, visible[:, None]), u, 0.0)
+        root = trimmed * u  # alpha m = root^2
+        acc += tl.dot((root * root).to(v.dtype), v, input_precision=PRECISION)
         cos_row, sin_row = _rotate(cos_row, sin_row, cos_step, sin_step)
     _store_rows(OUT, acc, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
 
@@ -133,25 +181,32 @@ def _forward_kernel(
 @triton.jit
 def _dq_kernel(
     Q, K, V, DOUT, DQ, DW_PART, DRHO_PART, WINDOW, RHO, DOC_START,
-    T, H, stride_b, stride_t, stride_vb, stride_vt,
+    T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     tile = tl.program_id(1)
     i0 = tile * BLOCK_M
     b, h = bh // H, bh % H
+    part = bh * tl.num_programs(1) + tile
     w = tl.load(WINDOW + h)
+    span = _span(w, T)
+    if (span < span_lo) | (span > span_hi):  # another class's launch handles this head; its partials are zero here
+        tl.store(DW_PART + part, 0.0)
+        tl.store(DRHO_PART + part, 0.0)
+        return
     rho = tl.load(RHO + h)
-    phase = 3.141592653589793 / w
+    half_phase = _HALF_PI / w
 
-    doc_start_i, doc_start_max, first_key, last_key = _query_tile_setup(DOC_START, b, i0, T, w, BLOCK_M, BLOCK_N)
+    visible, doc_start_max, first_key, last_key = _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M, BLOCK_N)
     q = _load_rows(Q, b, i0, T, stride_b, stride_t, h * DK, DK, BLOCK_M)
     dout = _load_rows(DOUT, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
-    row_pos = (tl.arange(0, BLOCK_M) + (i0 - first_key)).to(tl.float32)
-    cos_row, sin_row = tl.cos(row_pos * phase), tl.sin(row_pos * phase)
-    col_pos = tl.arange(0, BLOCK_N).to(tl.float32)
-    cos_col, sin_col = tl.cos(col_pos * phase), tl.sin(col_pos * phase)
-    cos_step, sin_step = tl.cos(-BLOCK_N * phase), tl.sin(-BLOCK_N * phase)
+    rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+    row_pos = (rows + (i0 - first_key)).to(tl.float32)
+    cos_row, sin_row = tl.cos(row_pos * half_phase), tl.sin(row_pos * half_phase)
+    col_pos = cols.to(tl.float32)
+    cos_col, sin_col = tl.cos(col_pos * half_phase), tl.sin(col_pos * half_phase)
+    cos_step, sin_step = tl.cos(-BLOCK_N * half_phase), tl.sin(-BLOCK_N * half_phase)
 
     dq = tl.zeros((BLOCK_M, DK), dtype=tl.float32)
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -161,70 +216,75 @@ def _dq_kernel(
         v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         g = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # dL / d(alpha m)
-        if not _tile_is_inside(i0, j0, w, doc_start_max, BLOCK_M, BLOCK_N):
-            g = tl.where(_in_mask(i0, j0, w, doc_start_i, BLOCK_M, BLOCK_N), g, 0.0)
-        trimmed = tl.maximum(1.0 - rho + rho * s, 0.0)
-        g_m = g * _softmask(cos_row, sin_row, cos_col, sin_col)
-        d_base = 2.0 * g_m * trimmed  # dL / d(base), base = 1 - rho (1 - s)
+        trimmed = tl.maximum(rho * s + (1.0 - rho), 0.0)
+        u = _half_softmask(cos_row, sin_row, cos_col, sin_col)
+        if not _tile_is_inside(i0, j0, span, doc_start_max, BLOCK_M, BLOCK_N):
+            lag = (rows + (i0 - j0))[:, None] - cols[None, :]
+            u = tl.where(_lag_is_visible(lag, visible[:, None]), u, 0.0)
+        g_root = g * u * trimmed  # every term below carries u: zero outside the mask
+        d_base = g_root * u  # dL / d(base) / 2, base = 1 - rho (1 - s)
         dq += tl.dot(d_base.to(k.dtype), k, input_precision=PRECISION)
         drho_acc += d_base * (s - 1.0)
-        # d m / d w = sin(pi lag / w) * pi lag / (2 w^2); the factor pi / (2 w^2) is applied once at the end.
-        sin_lag = sin_row[:, None] * cos_col[None, :] - cos_row[:, None] * sin_col[None, :]
-        lag = row_pos[:, None] - col_pos[None, :]
-        dw_acc += g * trimmed * trimmed * sin_lag * lag
+        # d m / d w = u sin(pi lag / (2 w)) pi lag / w^2; the factor pi / w^2 is applied once at the end.
+        sin_half_lag = sin_row[:, None] * cos_col[None, :] - cos_row[:, None] * sin_col[None, :]
+        dw_acc += g_root * trimmed * sin_half_lag * (row_pos[:, None] - col_pos[None, :])
         cos_row, sin_row = _rotate(cos_row, sin_row, cos_step, sin_step)
         row_pos -= BLOCK_N
-    _store_rows(DQ, rho * dq, b, i0, T, stride_b, stride_t, h * DK, DK, BLOCK_M)
-    part = bh * tl.num_programs(1) + tile
-    tl.store(DW_PART + part, tl.sum(tl.sum(dw_acc, axis=1), axis=0) * (0.5 * phase / w))
-    tl.store(DRHO_PART + part, tl.sum(tl.sum(drho_acc, axis=1), axis=0))
+    _store_rows(DQ, (2.0 * rho) * dq, b, i0, T, stride_b, stride_t, h * DK, DK, BLOCK_M)
+    tl.store(DW_PART + part, tl.sum(tl.sum(dw_acc, axis=1), axis=0) * (2.0 * half_phase / w))
+    tl.store(DRHO_PART + part, 2.0 * tl.sum(tl.sum(drho_acc, axis=1), axis=0))
 
 
 @triton.jit
 def _dkdv_kernel(
     Q, K, V, DOUT, DK_OUT, DV_OUT, WINDOW, RHO, DOC_START, DOC_END,
-    T, H, stride_b, stride_t, stride_vb, stride_vt,
+    T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     j0 = tl.program_id(1) * BLOCK_N
     b, h = bh // H, bh % H
     w = tl.load(WINDOW + h)
+    span = _span(w, T)
+    if (span < span_lo) | (span > span_hi):  # another class's launch handles this head
+        return
     rho = tl.load(RHO + h)
-    phase = 3.141592653589793 / w
+    half_phase = _HALF_PI / w
 
-    offs_j = j0 + tl.arange(0, BLOCK_N)
+    keys, queries = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_M)
+    offs_j = j0 + keys
     doc_end_j = tl.load(DOC_END + b * T + offs_j, mask=offs_j < T, other=0)
     first_query = (j0 // BLOCK_M) * BLOCK_M
-    last_query = tl.minimum(tl.minimum(j0 + BLOCK_N - 1 + _span(w, T), T), tl.max(doc_end_j, axis=0) + 1)
+    last_query = tl.minimum(tl.minimum(j0 + BLOCK_N - 1 + span, T), tl.max(doc_end_j, axis=0) + 1)
     k = _load_rows(K, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
     v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
-    # here the key tile is fixed and query tiles move: row angles turn by +pi BLOCK_M / w per query tile
-    row_angle = (tl.arange(0, BLOCK_M) + (first_query - j0)).to(tl.float32) * phase
-    cos_row, sin_row = tl.cos(row_angle), tl.sin(row_angle)
-    col_angle = tl.arange(0, BLOCK_N).to(tl.float32) * phase
-    cos_col, sin_col = tl.cos(col_angle), tl.sin(col_angle)
-    cos_step, sin_step = tl.cos(BLOCK_M * phase), tl.sin(BLOCK_M * phase)
+    # tiles are (keys x queries): the key tile is fixed and query tiles move, their half angles turning by
+    # +BLOCK_M * half_phase per query tile
+    key_angle = keys.to(tl.float32) * half_phase
+    cos_key, sin_key = tl.cos(key_angle), tl.sin(key_angle)
+    query_angle = (queries + (first_query - j0)).to(tl.float32) * half_phase
+    cos_query, sin_query = tl.cos(query_angle), tl.sin(query_angle)
+    cos_step, sin_step = tl.cos(BLOCK_M * half_phase), tl.sin(BLOCK_M * half_phase)
 
     dk = tl.zeros((BLOCK_N, DK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, DV), dtype=tl.float32)
     for i0 in range(first_query, last_query, BLOCK_M):
-        offs_i = i0 + tl.arange(0, BLOCK_M)
+        offs_i = i0 + queries
         doc_start_i = tl.load(DOC_START + b * T + offs_i, mask=offs_i < T, other=0)
         q = _load_rows(Q, b, i0, T, stride_b, stride_t, h * DK, DK, BLOCK_M)
         dout = _load_rows(DOUT, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (queries, keys)
-        g = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
-        trimmed = tl.maximum(1.0 - rho + rho * s, 0.0)
-        m = _softmask(cos_row, sin_row, cos_col, sin_col)
-        if not _tile_is_inside(i0, j0, w, tl.max(doc_start_i, axis=0), BLOCK_M, BLOCK_N):
-            m = tl.where(_in_mask(i0, j0, w, doc_start_i, BLOCK_M, BLOCK_N), m, 0.0)
-        p = trimmed * trimmed * m
-        dv += tl.dot(tl.trans(p.to(dout.dtype)), dout, input_precision=PRECISION)
-        d_base = 2.0 * g * m * trimmed
-        dk += tl.dot(tl.trans(d_base.to(q.dtype)), q, input_precision=PRECISION)
-        cos_row, sin_row = _rotate(cos_row, sin_row, cos_step, sin_step)
-    _store_rows(DK_OUT, rho * dk, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
+        s = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (keys, queries)
+        g = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
+        trimmed = tl.maximum(rho * s + (1.0 - rho), 0.0)
+        u = cos_key[:, None] * cos_query[None, :] + sin_key[:, None] * sin_query[None, :]
+        if not _tile_is_inside(i0, j0, span, tl.max(doc_start_i, axis=0), BLOCK_M, BLOCK_N):
+            lag = (queries + (i0 - j0))[None, :] - keys[:, None]
+            u = tl.where(_lag_is_visible(lag, _visible_count(offs_i, doc_start_i, span)[None, :]), u, 0.0)
+        root = trimmed * u
+        dv += tl.dot((root * root).to(dout.dtype), dout, input_precision=PRECISION)
+        dk += tl.dot((g * root * u).to(q.dtype), q, input_precision=PRECISION)  # dL / d(base) / 2 times q
+        cos_query, sin_query = _rotate(cos_query, sin_query, cos_step, sin_step)
+    _store_rows(DK_OUT, (2.0 * rho) * dk, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
     _store_rows(DV_OUT, dv, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
 
 
@@ -239,20 +299,71 @@ def _shape_args(q: Tensor, v: Tensor) -> tuple[int, ...]:
     return T, H, q.stride(0), q.stride(1), v.stride(0), v.stride(1)
 
 
+def _launch_options(blocks: Blocks) -> dict[str, int]:
+    warps, stages, *maxnreg = blocks[2:]
+    return dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg[0]} if maxnreg else {}))
+
+
+def plan_classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
+    """(smallest span, largest span, blocks) per class of a plan; together the classes cover every int32 span."""
+    limits = [limit for limit, _ in plan]
+    if not plan or limits[-1] is not None or any(x is None for x in limits[:-1]) or limits[:-1] != sorted(limits[:-1]):
+        raise ValueError(f"a plan lists classes by increasing largest span and ends with None (no limit), got {plan}")
+    lows = [_INT32_MIN] + [limit + 1 for limit in limits[:-1]]
+    return [(lo, _INT32_MAX if limit is None else limit, blocks) for lo, (limit, blocks) in zip(lows, plan)]
+
+
+def forward_class(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
+    span_lo: int, span_hi: int, blocks: Blocks,
+) -> None:  # fmt: skip
+    """One class's forward launch: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
+    B, T, H, dK = q.shape
+    block_m, block_n = blocks[:2]
+    _forward_kernel[(B * H, triton.cdiv(T, block_m))](
+        q, k, v, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
+    )  # fmt: skip
+
+
+def dq_class(
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dq: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
+    span_lo: int, span_hi: int, blocks: Blocks,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi] and returns their
+    d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials."""
+    B, T, H, dK = q.shape
+    block_m, block_n = blocks[:2]
+    n_tiles = triton.cdiv(T, block_m)
+    partials = torch.empty((2, B, H, n_tiles), device=q.device, dtype=torch.float32)
+    _dq_kernel[(B * H, n_tiles)](
+        q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
+        span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
+    )  # fmt: skip
+    return partials[0].sum(dim=(0, 2)), partials[1].sum(dim=(0, 2))  # separate tensors: no aliasing
+
+
+def dkdv_class(
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, window: Tensor, rho: Tensor,
+    doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
+) -> None:  # fmt: skip
+    """One class's dK/dV launch: writes `dk` and `dv` for the heads whose span lies in [span_lo, span_hi]."""
+    B, T, H, dK = q.shape
+    block_m, block_n = blocks[:2]
+    _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
+        q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v), span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
+    )  # fmt: skip
+
+
 def screening_forward(
-    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, blocks: tuple | None = None
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, plan: Plan | None = None
 ) -> Tensor:
     """h (B, T, H, dV). Inputs contiguous, validated by the caller (ppt.kernels.screening)."""
-    B, T, H, dK = q.shape
-    dV = v.shape[-1]
-    block_m, block_n, warps, stages = blocks or FORWARD_BLOCKS
     out = torch.empty_like(v)
-    grid = (B * H, triton.cdiv(T, block_m))
-    _forward_kernel[grid](
-        q, k, v, out, window, rho, doc_start, *_shape_args(q, v),
-        DK=dK, DV=dV, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q),
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    for span_lo, span_hi, blocks in plan_classes(plan or FORWARD_PLAN):
+        forward_class(q, k, v, out, window, rho, doc_start, span_lo, span_hi, blocks)
     return out
 
 
@@ -265,26 +376,15 @@ def screening_backward(
     doc_start: Tensor,
     doc_end: Tensor,
     grad_out: Tensor,
-    dq_blocks: tuple | None = None,
-    dkdv_blocks: tuple | None = None,
+    dq_plan: Plan | None = None,
+    dkdv_plan: Plan | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d window, d rho); the per-head grads are fp32 sums of per-program partials (deterministic)."""
-    B, T, H, dK = q.shape
-    dV = v.shape[-1]
-    precision = _precision(q)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-    block_m, block_n, warps, stages = dq_blocks or DQ_BLOCKS
-    n_tiles = triton.cdiv(T, block_m)
-    partials = torch.empty((2, B, H, n_tiles), device=q.device, dtype=torch.float32)  # d window, d rho per program
-    _dq_kernel[(B * H, n_tiles)](
-        q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
-        DK=dK, DV=dV, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-
-    block_m, block_n, warps, stages = dkdv_blocks or DKDV_BLOCKS
-    _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
-        q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v),
-        DK=dK, DV=dV, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return dq, dk, dv, partials[0].sum(dim=(0, 2)), partials[1].sum(dim=(0, 2))  # separate tensors: no aliasing
+    d_window = d_rho = None
+    for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
+        sums = dq_class(q, k, v, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks)
+        d_window, d_rho = sums if d_window is None else (d_window + sums[0], d_rho + sums[1])
+    for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
+        dkdv_class(q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
+    return dq, dk, dv, d_window, d_rho

@@ -1,0 +1,433 @@
+"""Put training runs side by side: a markdown table, and val bits-per-byte against tokens and comparison FLOPs.
+
+    python -m scripts.compare smollm-360m multiscreen-d16            # run tags: <cache>/reports/<tag>.json
+    python -m scripts.compare 'sweep-*' --baseline sweep-lr3e-3      # a glob of tags (or of paths)
+    python -m scripts.compare 'runs/*.json' --baseline smollm-360m --plot bpb.png
+    python -m scripts.compare a.json b.json --allow-mismatch         # on other data: the table shows what differs
+
+Runs that differ only in their seeds (and in tag, output directory, world size, device batch, compilation and
+other launch details) are one setting. The table gives each setting's parameters, tokens and comparison FLOPs
+(SPEC.md, Measurement), its final val bpb as mean ± sample std (n seeds), the difference of means to the baseline
+setting with a 95% Welch interval ("n/a (one seed)" when either side has one run), wall time, training tokens/s
+(the median step's) and the lm-eval scores base_eval recorded. The plot draws each setting's mean val bpb at every
+evaluation, against tokens and against comparison FLOPs (log x), with the range over its seeds as a band.
+
+Runs on a different tokenizer, data, sequence length or evaluation token count are not comparable: compare refuses
+them with one error unless --allow-mismatch, which adds a column per difference to the table. Runs on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ppt.common import ArgumentParser, PPTError, cache_dir, print0, run_cli
+
+# What must be equal for numbers to be comparable: (column name, how to read it from a manifest)
+MUST_MATCH: dict[str, Callable[[dict], Any]] = {
+    "tokenizer": lambda m: m["tokenizer"]["fingerprint"],
+    "data": lambda m: m["data"]["fingerprint"],
+    "seq len": lambda m: m["train"]["seq_len"],
+    "eval tokens": lambda m: m["final_val"]["eval_tokens"],
+}
+# The training settings (besides the config and the seeds) that make a setting
+SETTING_KEYS = (
+    "total_batch_tokens", "optimizer", "weight_decay", "grad_clip", "schedule", "warmup_steps", "decay_frac",
+    "steps", "last_step", "doc_masks", "dtype",
+)  # fmt: skip
+OPTIMIZER_KEYS = ("role", "algorithm", "initial_lr", "betas", "eps", "momentum", "nesterov", "weight_decay")
+
+
+@dataclass
+class Run:
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def tag(self) -> str:
+        return self.manifest.get("run", self.path.stem)
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.manifest["final_val"]
+
+    @property
+    def seeds(self) -> tuple[int, int]:
+        train = self.manifest["train"]
+        return train.get("data_seed", train.get("seed")), train.get("model_seed", train.get("seed"))
+
+    def evals(self) -> list[dict[str, Any]]:
+        return self.manifest.get("evals") or [h for h in self.manifest.get("history", []) if "val_bpb" in h]
+
+
+@dataclass
+class Setting:
+    label: str
+    fields: dict[str, Any]
+    runs: list[Run]
+
+    def final(self, key: str) -> list[float]:
+        return [run.final[key] for run in self.runs if run.final.get(key) is not None]
+
+
+def find_manifests(specs: list[str]) -> list[Path]:
+    """Manifest paths from run tags (looked up in <cache>/reports), manifest paths and globs, each once."""
+    found: list[Path] = []
+    for spec in specs:
+        path = Path(spec).expanduser()
+        if glob.has_magic(spec):  # a glob of paths, else of run tags
+            matches = sorted(Path(p) for p in glob.glob(str(path)))
+            matches = matches or sorted(Path(p) for p in glob.glob(str(cache_dir() / "reports" / f"{spec}.json")))
+            if not matches:
+                raise PPTError(f"{spec!r} matches no manifest, nor any run tag in {cache_dir() / 'reports'}")
+        elif path.is_file():
+            matches = [path]
+        elif (cache_dir() / "reports" / f"{spec}.json").is_file():
+            matches = [cache_dir() / "reports" / f"{spec}.json"]
+        else:
+            raise PPTError(
+                f"no run {spec!r}: not a file, and no {cache_dir() / 'reports' / (spec + '.json')}; pass a run tag, a "
+                "manifest path or a glob"
+            )
+        found += [m.resolve() for m in matches if m.resolve() not in found]
+    return found
+
+
+def load_run(path: Path) -> Run:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PPTError(f"{path} is not a readable run manifest ({exc}); pass the JSON base_train wrote") from exc
+    if "train" not in manifest or "config" not in manifest:
+        raise PPTError(f"{path} is not a base_train run manifest (no 'train' or 'config'); pass the JSON it wrote")
+    if "val_bpb" not in manifest.get("final_val", {}):
+        state = f"stopped at step {manifest['stopped_at']}" if "stopped_at" in manifest else "has no final evaluation"
+        raise PPTError(
+            f"run {manifest.get('run', path.stem)} ({path}) {state}: finish it (base_train --resume auto) or leave it "
+            "out"
+        )
+    return Run(path, manifest)
+
+
+def setting_fields(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Everything that defines a run's setting: all but the seeds, the names and how it was launched."""
+    train = manifest["train"]
+    config_name = manifest.get("config_name") or manifest.get("run")
+    groups = [{k: g[k] for k in OPTIMIZER_KEYS if k in g} for g in train.get("optimizer_groups", [])]
+    fields = {"config": config_name, **{f"config.{k}": v for k, v in manifest["config"].items()}}
+    fields |= {k: train.get(k) for k in SETTING_KEYS} | {"lr": train.get("lr"), "optimizer_groups": groups}
+    fields["target_flops"] = (train.get("budget") or {}).get("target_flops")
+    fields["model source"] = (manifest.get("model_source") or {}).get("sha256", "")[:12] or None
+    return fields | {name: read(manifest) for name, read in MUST_MATCH.items()}
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def group_settings(runs: list[Run]) -> list[Setting]:
+    """Runs grouped by setting, in the order they were given, each labelled by its config name and whatever sets it
+    apart from other settings of that config."""
+    groups: dict[str, tuple[dict, list[Run]]] = {}
+    for run in runs:
+        fields = setting_fields(run.manifest)
+        groups.setdefault(_key(fields), (fields, []))[1].append(run)
+    settings = []
+    for fields, members in groups.values():
+        seen: dict[tuple, str] = {}
+        for run in members:
+            if run.seeds in seen:
+                raise PPTError(
+                    f"runs {seen[run.seeds]} and {run.tag} have the same setting and seeds {run.seeds} (data, model): "
+                    "one run twice; leave one out"
+                )
+            seen[run.seeds] = run.tag
+        same_config = [f for f, _ in groups.values() if f["config"] == fields["config"]]
+        varying = [
+            k
+            for k in fields
+            if k != "config" and k not in MUST_MATCH and len({_key(f.get(k)) for f in same_config}) > 1
+        ]
+        details = ", ".join(f"{k}={_short(fields[k])}" for k in varying if not k.startswith("optimizer_groups"))
+        label = str(fields["config"]) + (f" ({details})" if details else "")
+        settings.append(Setting(label, fields, members))
+    for i, setting in enumerate(settings):  # settings told apart only by a MUST_MATCH difference or optimizer groups
+        if [s.label for s in settings].count(setting.label) > 1:
+            setting.label += f" #{i + 1}"
+    return settings
+
+
+def _short(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check_comparable(runs: list[Run], allow_mismatch: bool) -> list[str]:
+    """The MUST_MATCH fields on which the runs differ; an error naming them unless allow_mismatch."""
+    differing = [name for name, read in MUST_MATCH.items() if len({_key(read(r.manifest)) for r in runs}) > 1]
+    if differing and not allow_mismatch:
+        details = "; ".join(
+            f"{name}: " + ", ".join(f"{r.tag}={_cell(name, MUST_MATCH[name](r.manifest))}" for r in runs)
+            for name in differing
+        )
+        raise PPTError(
+            f"these runs are not comparable, they differ in {', '.join(differing)} ({details}); compare runs on the "
+            "same tokenizer, data, sequence length and eval token count, or pass --allow-mismatch to show them side "
+            "by side anyway"
+        )
+    return differing
+
+
+def _cell(name: str, value: Any) -> str:
+    return value[:12] if name in ("tokenizer", "data") else str(value)
+
+
+# ---- statistics ---------------------------------------------------------------------------------------------------
+
+
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function, by the modified Lentz method."""
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 500):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1 + numerator * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            result *= c * d
+        if abs(c * d - 1) < 1e-15:
+            break
+    return result
+
+
+def regularized_beta(x: float, a: float, b: float) -> float:
+    """I_x(a, b)."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _beta_continued_fraction(a, b, x) / a
+    return 1 - front * _beta_continued_fraction(b, a, 1 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with df (> 0, not necessarily whole) degrees of freedom."""
+    tail = 0.5 * regularized_beta(df / (df + t * t), df / 2, 0.5)
+    return 1 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The t with P(T <= t) = p, by bisection (to 1e-12)."""
+    if not 0 < p < 1 or df <= 0:
+        raise PPTError(f"t_quantile needs 0 < p < 1 and df > 0, got p={p}, df={df}")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        low, high = high, 2 * high
+    while high - low > 1e-12 * max(1.0, high):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
+    return (low + high) / 2
+
+
+def welch_interval(a: list[float], b: list[float], confidence: float = 0.95) -> tuple[float, float, float] | None:
+    """(mean(a) - mean(b), low, high) with Welch's t interval; None when either side has fewer than 2 values."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    difference = statistics.fmean(a) - statistics.fmean(b)
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return difference, difference, difference
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = t_quantile(0.5 + confidence / 2, df) * math.sqrt(va + vb)
+    return difference, difference - half, difference + half
+
+
+# ---- the table ----------------------------------------------------------------------------------------------------
+
+
+def _si(x: float, units: tuple[str, ...] = ("", "K", "M", "B", "T")) -> str:
+    for power in range(len(units) - 1, 0, -1):
+        if abs(x) >= 1000**power:
+            return f"{x / 1000**power:.4g}{units[power]}"
+    return f"{x:.4g}"
+
+
+def _duration(seconds: float) -> str:
+    minutes = seconds / 60
+    return f"{seconds:.0f} s" if seconds < 60 else f"{minutes:.1f} min" if minutes < 60 else f"{minutes / 60:.2f} h"
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _bpb(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.4f} (n=1)"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} (n={len(values)})"
+
+
+def _difference(setting: Setting, baseline: Setting) -> str:
+    if setting is baseline:
+        return "baseline"
+    values, reference = setting.final("val_bpb"), baseline.final("val_bpb")
+    interval = welch_interval(values, reference)
+    difference = statistics.fmean(values) - statistics.fmean(reference)
+    if interval is None:
+        return f"{difference:+.4f}, n/a (one seed)"
+    return f"{difference:+.4f} [{interval[1]:+.4f}, {interval[2]:+.4f}]"
+
+
+def _median_tok_per_s(run: Run) -> float | None:
+    speeds = [h["tok_per_s"] for h in run.manifest.get("history", []) if "tok_per_s" in h]
+    return statistics.median(speeds) if speeds else None
+
+
+def pick_baseline(settings: list[Setting], baseline: str | None) -> Setting:
+    """The setting named by label, config name (when one setting has it) or run tag; by default the first."""
+    if baseline is None:
+        return settings[0]
+    for matches in (
+        [s for s in settings if s.label == baseline],
+        [s for s in settings if s.fields["config"] == baseline],
+        [s for s in settings if any(r.tag == baseline for r in s.runs)],
+    ):
+        if len(matches) == 1:
+            return matches[0]
+    raise PPTError(
+        f"--baseline {baseline!r} names no single setting; use one of: " + "; ".join(s.label for s in settings)
+    )
+
+
+def table(settings: list[Setting], baseline: Setting, differing: list[str]) -> str:
+    """The markdown table, one row per setting."""
+    benchmarks: list[str] = []
+    for setting in settings:
+        for run in setting.runs:
+            for label in ((run.manifest.get("eval") or {}).get("benchmarks") or {}).get("rows", {}):
+                benchmarks += [] if label in benchmarks else [label]
+    header = ["setting", "seeds", "params", "tokens", "comparison FLOPs", "val bpb",
+              f"Δ bpb vs {baseline.label} (95% CI)", "wall time", "tok/s", *differing, *benchmarks]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for setting in settings:
+        flops = _mean(setting.final("comparison_flops"))
+        speeds = [s for s in (_median_tok_per_s(r) for r in setting.runs) if s is not None]
+        cells = [
+            setting.label,
+            str(len(setting.runs)),
+            _si(_mean([r.manifest["params"] for r in setting.runs])),
+            _si(_mean(setting.final("tokens"))),
+            f"{flops:.4g}" if flops is not None else "-",
+            _bpb(setting.final("val_bpb")),
+            _difference(setting, baseline),
+            _duration(_mean(setting.final("wall_time_s")) or 0) if setting.final("wall_time_s") else "-",
+            _si(statistics.fmean(speeds)) if speeds else "-",
+        ]
+        for name in differing:
+            cells.append(", ".join(sorted({_cell(name, MUST_MATCH[name](r.manifest)) for r in setting.runs})))
+        for label in benchmarks:
+            scores = [
+                r.manifest["eval"]["benchmarks"]["rows"][label]
+                for r in setting.runs
+                if label in ((r.manifest.get("eval") or {}).get("benchmarks") or {}).get("rows", {})
+            ]
+            cells.append(f"{statistics.fmean(scores):.1f}" if scores else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- the plot -----------------------------------------------------------------------------------------------------
+
+
+def plot(settings: list[Setting], path: Path) -> Path:
+    """Val bpb against tokens and against comparison FLOPs (log x): each setting's mean over its seeds at the
+    evaluations they share, and the range over the seeds as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for setting in settings:
+        by_step = [{e["step"]: e for e in run.evals()} for run in setting.runs]
+        steps = sorted(set.intersection(*(set(evals) for evals in by_step)))
+        if not steps:
+            continue
+        bpb = [[evals[s]["val_bpb"] for evals in by_step] for s in steps]
+        y = [statistics.fmean(values) for values in bpb]
+        for ax, x_key in zip(axes, ("tokens", "comparison_flops"), strict=True):
+            if any(evals[s].get(x_key) is None for evals in by_step for s in steps):
+                continue
+            x = [statistics.fmean(evals[s][x_key] for evals in by_step) for s in steps]
+            (line,) = ax.plot(x, y, "o-", ms=3, lw=1.2, label=f"{setting.label} (n={len(setting.runs)})")
+            if len(setting.runs) > 1:
+                ax.fill_between(x, [min(v) for v in bpb], [max(v) for v in bpb], color=line.get_color(), alpha=0.2)
+    for ax, label in zip(axes, ("tokens", "comparison FLOPs"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("val bits per byte")
+    fig.suptitle("val bpb: mean over seeds, band from the lowest to the highest seed", fontsize=10)
+    axes[1].legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---- entry points -------------------------------------------------------------------------------------------------
+
+
+def compare(
+    runs: list[str | Path],
+    baseline: str | None = None,
+    allow_mismatch: bool = False,
+    plot_path: Path | None = None,
+) -> str:
+    """The comparison table (markdown) of runs given as tags, manifest paths or globs; also the plot, if asked."""
+    loaded = [load_run(path) for path in find_manifests([str(r) for r in runs])]
+    if not loaded:
+        raise PPTError("no runs to compare; pass run tags, manifest paths or globs")
+    differing = check_comparable(loaded, allow_mismatch)
+    settings = group_settings(loaded)
+    text = table(settings, pick_baseline(settings, baseline), differing)
+    if plot_path is not None:
+        plot(settings, plot_path)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run tags (<cache>/reports/<tag>.json), manifest paths, or globs")
+    p.add_argument(
+        "--baseline", help="the setting the others are compared to: its label, config name or a run tag (default: "
+        "the first given)"
+    )  # fmt: skip
+    p.add_argument("--plot", type=Path, help="where to write the PNG (default <cache>/reports/compare.png)")
+    p.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="compare runs on another tokenizer, data, sequence length or eval token count; the table shows which",
+    )
+    args = p.parse_args(argv)
+    plot_path = args.plot or cache_dir() / "reports" / "compare.png"
+    print0(compare(args.runs, args.baseline, args.allow_mismatch, plot_path))
+    print0(f"\nplot: {plot_path}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,203 @@
+"""scripts.compare on hand-made manifests: seeds grouped into settings, the table's numbers, Welch's interval against
+known t quantiles, the plot, and a refusal for each kind of incomparable run."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from ppt.common import PPTError
+from scripts.compare import compare, main, t_cdf, t_quantile, welch_interval
+
+
+def write_manifest(
+    directory: Path,
+    tag: str,
+    final_bpb: float,
+    data_seed: int = 0,
+    model_seed: int = 0,
+    config: str = "vanilla",
+    lr: float = 3e-3,
+    flops_per_token: float = 6e6,
+    **changes: object,
+) -> Path:
+    """A manifest as base_train writes it, cut down to what compare reads: evaluations at steps 10 and 20."""
+    evals = [
+        {"step": step, "tokens": 1000 * step, "comparison_flops": int(flops_per_token * 1000 * step),
+         "wall_time_s": 3.0 * step, "val_nll": 2 * bpb, "val_bpb": bpb, "eval_tokens": 4096}
+        for step, bpb in ((10, final_bpb + 0.5), (20, final_bpb))
+    ]  # fmt: skip
+    manifest = {
+        "run": tag,
+        "config_name": config,
+        "config": {"class": "LlamaConfig" if config == "vanilla" else "MultiscreenConfig", "width": len(config)},
+        "params": 1_500_000 if config == "vanilla" else 900_000,
+        "tokenizer": {"fingerprint": "ab" * 32},
+        "data": {"fingerprint": "cd" * 32},
+        "train": {
+            "seq_len": 256,
+            "total_batch_tokens": 1000,
+            "optimizer": "adamw",
+            "lr": lr,
+            "weight_decay": 0.1,
+            "grad_clip": 1.0,
+            "schedule": "wsd",
+            "warmup_steps": 1,
+            "decay_frac": 0.2,
+            "steps": 20,
+            "last_step": 20,
+            "doc_masks": True,
+            "dtype": "torch.bfloat16",
+            "data_seed": data_seed,
+            "model_seed": model_seed,
+            "world_size": data_seed + 1,  # a launch detail: does not split settings
+        },  # fmt: skip
+        "history": [{"step": s, "tok_per_s": 1000.0 * (s % 3 + 1)} for s in range(1, 21)] + evals,
+        "evals": evals,
+        "final_val": evals[-1],
+    }
+    for key, value in changes.items():  # "train.seq_len": 512 sets a nested field
+        *parents, leaf = key.split(".")
+        target = manifest
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = value
+    path = directory / f"{tag}.json"
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    lines = text.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    body = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    return {row[0]: dict(zip(header, row, strict=True)) for row in body}
+
+
+def test_t_quantiles_match_the_tables():
+    for df, t in ((1, 12.7062047), (2, 4.30265273), (5, 2.57058184), (10, 2.22813885), (30, 2.04227246)):
+        assert t_quantile(0.975, df) == pytest.approx(t, abs=1e-6)
+    assert t_quantile(0.975, 1e7) == pytest.approx(1.959964, abs=1e-5)  # the normal limit
+    assert t_quantile(0.025, 4) == pytest.approx(-2.77644511, abs=1e-6)
+    assert t_cdf(0.0, 3.5) == pytest.approx(0.5) and t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy: 1/2 + atan(1)/pi
+
+
+def test_welch_interval_by_hand():
+    # a = [1, 3], b = [0, 2]: means 2 and 1, variances 2 each; se = sqrt(2/2 + 2/2), df = (1 + 1)^2 / (1 + 1) = 2
+    difference, low, high = welch_interval([1.0, 3.0], [0.0, 2.0])
+    assert difference == 1.0 and high - difference == pytest.approx(4.30265273 * math.sqrt(2), abs=1e-6)
+    assert difference - low == pytest.approx(high - difference)
+    assert welch_interval([1.0], [0.0, 2.0]) is None and welch_interval([1.0, 1.0], [0.5, 0.5]) == (0.5, 0.5, 0.5)
+
+
+def test_table_groups_seeds_and_reports_means_intervals_and_benchmarks(tmp_path):
+    vanilla = [1.10, 1.12, 1.14]
+    screening = [1.05, 1.06]
+    paths = [write_manifest(tmp_path, f"v{i}", bpb, data_seed=i, model_seed=i) for i, bpb in enumerate(vanilla)]
+    paths += [
+        write_manifest(tmp_path, f"s{i}", bpb, data_seed=i, config="screening", flops_per_token=4e6)
+        for i, bpb in enumerate(screening)
+    ]
+    paths.append(write_manifest(tmp_path, "v-lr", 1.2, lr=1e-2))  # another setting of the same config
+    eval_result = {"benchmarks": {"rows": {"HellaSwag": 30.0, "PIQA": 60.0}}}
+    manifest = json.loads(paths[0].read_text())
+    paths[0].write_text(json.dumps({**manifest, "eval": eval_result}))
+
+    text = compare([str(tmp_path / "v*.json"), *map(str, paths[3:5])], baseline="vanilla (lr=0.003)")
+    table = rows(text)
+    assert list(table) == ["vanilla (lr=0.01)", "vanilla (lr=0.003)", "screening"]  # as given (a glob sorted)
+    base = table["vanilla (lr=0.003)"]
+    assert base["seeds"] == "3" and base["params"] == "1.5M" and base["tokens"] == "20K"
+    assert base["comparison FLOPs"] == f"{6e6 * 20_000:.4g}"
+    assert base["val bpb"] == f"{statistics.fmean(vanilla):.4f} ± {statistics.stdev(vanilla):.4f} (n=3)"
+    assert base["Δ bpb vs vanilla (lr=0.003) (95% CI)"] == "baseline"
+    assert base["wall time"] == "1.0 min" and base["tok/s"] == "2K"  # the median step's, mean over the seeds
+    assert (base["HellaSwag"], base["PIQA"]) == ("30.0", "60.0")  # the one seed that has them
+    difference, low, high = welch_interval(screening, vanilla)
+    assert table["screening"]["Δ bpb vs vanilla (lr=0.003) (95% CI)"] == f"{difference:+.4f} [{low:+.4f}, {high:+.4f}]"
+    assert high < 0  # screening's bpb is lower at these numbers, beyond the seeds' spread
+    assert table["screening"]["HellaSwag"] == "-" and table["screening"]["comparison FLOPs"] == f"{4e6 * 20_000:.4g}"
+    assert table["vanilla (lr=0.01)"]["val bpb"] == "1.2000 (n=1)"
+    assert table["vanilla (lr=0.01)"]["Δ bpb vs vanilla (lr=0.003) (95% CI)"] == "+0.0800, n/a (one seed)"
+
+
+def test_the_plot_and_the_command_line(tmp_path, capsys):
+    paths = [write_manifest(tmp_path, f"v{i}", 1.1 + i / 100, data_seed=i) for i in range(2)]
+    paths.append(write_manifest(tmp_path, "s0", 1.0, config="screening"))
+    main([*map(str, paths), "--plot", str(tmp_path / "out" / "bpb.png"), "--baseline", "s0"])
+    out = capsys.readouterr().out
+    assert "| vanilla | 2 |" in out and "Δ bpb vs screening (95% CI)" in out and "n/a (one seed)" in out
+    assert (tmp_path / "out" / "bpb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {tmp_path / 'out' / 'bpb.png'}" in out
+
+
+def test_run_tags_are_looked_up_in_the_reports_dir(offline_private_cache):
+    reports = offline_private_cache / "reports"
+    reports.mkdir()
+    write_manifest(reports, "tagged", 1.3)
+    assert "| vanilla | 1 |" in compare(["tagged"])
+    with pytest.raises(PPTError, match="no run 'absent'"):
+        compare(["absent"])
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("tokenizer.fingerprint", "ef" * 32, "tokenizer"),
+        ("data.fingerprint", "01" * 32, "data"),
+        ("train.seq_len", 512, "seq len"),
+        ("final_val.eval_tokens", 8192, "eval tokens"),
+    ],
+)
+def test_incomparable_runs_are_refused_unless_allowed_and_then_shown(tmp_path, field, value, named):
+    paths = [
+        write_manifest(tmp_path, "a", 1.1),
+        write_manifest(tmp_path, "b", 1.0, config="screening", **{field: value}),
+    ]
+    with pytest.raises(PPTError, match=rf"not comparable, they differ in {named} \(.*--allow-mismatch"):
+        compare(paths)
+    table = rows(compare(paths, allow_mismatch=True))
+    shown = str(value)[:12]
+    assert table["screening"][named] == shown and table["vanilla"][named] != shown
+
+
+def test_unfinished_and_duplicate_runs_and_unknown_baselines_are_refused(tmp_path):
+    finished = write_manifest(tmp_path, "done", 1.1)
+    stopped = write_manifest(tmp_path, "stopped", 1.1, data_seed=1)
+    manifest = json.loads(stopped.read_text())
+    del manifest["final_val"]
+    stopped.write_text(json.dumps({**manifest, "stopped_at": 12}))
+    with pytest.raises(PPTError, match="run stopped .* stopped at step 12: finish it"):
+        compare([finished, stopped])
+    twin = write_manifest(tmp_path, "twin", 1.2)
+    with pytest.raises(PPTError, match="runs done and twin have the same setting and seeds"):
+        compare([finished, twin])
+    with pytest.raises(PPTError, match="--baseline 'nope' names no single setting; use one of: vanilla"):
+        compare([finished], baseline="nope")
+
+
+def test_an_edited_model_of_the_same_config_name_is_its_own_setting(tmp_path):
+    """The fork workflow: model.py edited, config name unchanged. Its runs must not pool with the original's."""
+    paths = [
+        write_manifest(
+            tmp_path, f"{source}-s{seed}", bpb + 0.01 * seed, model_seed=seed, model_source={"sha256": source * 32}
+        )  # fmt: skip
+        for source, bpb in (("aa", 1.0), ("bb", 1.2))
+        for seed in (0, 1)
+    ]
+    table = rows(compare(paths, baseline="aa-s0"))
+    assert set(table) == {f"vanilla (model source={'aa' * 6})", f"vanilla (model source={'bb' * 6})"}
+    assert all(row["seeds"] == "2" for row in table.values())
+
+
+def test_model_source_hashes_model_py_and_the_kernels():
+    from ppt.report import REPO_ROOT, model_source
+
+    source = model_source()
+    assert source["files"][0] == "ppt/model.py" and "ppt/kernels/screening.py" in source["files"]
+    assert len(source["sha256"]) == 64 and source == model_source()
+    assert all((REPO_ROOT / f).is_file() for f in source["files"])

@@ -1,0 +1,273 @@
+"""The comparison-FLOPs rule: against a brute-force count of needed pairs for both shipped architectures, the loader's
+document-position counts, mixers without a pair formula, and exact counts through a training run and a resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ppt.data import DataLoader
+from ppt.flops import ComparisonFlops, comparison_flops_rule
+from ppt.model import build_model, get_config
+from scripts import base_train
+
+
+def initialized(name: str, **changes: object) -> nn.Module:
+    torch.manual_seed(0)
+    config = get_config(name)
+    for field, value in changes.items():
+        setattr(config, field, value)
+    model = build_model(config)
+    model.init_weights()
+    return model
+
+
+def random_doc_pos(rows: int, T: int, seed: int) -> np.ndarray:
+    """Rows packed with documents of random lengths (some longer than the row), as the loader builds doc_pos."""
+    rng = np.random.default_rng(seed)
+    doc_pos = np.zeros((rows, T), dtype=np.int64)
+    for row in doc_pos:
+        start = -int(rng.integers(0, 2 * T))  # a fragment of a document begun before the row counts from the row start
+        for t in range(T):
+            if t and rng.random() < 0.08:
+                start = t
+            row[t] = t - max(start, 0)
+    return doc_pos
+
+
+def brute_force(doc_pos: np.ndarray, N: int, heads: list[tuple[int, float]]) -> int:
+    """6 N per token + 3 x sum over heads (FLOPs per pair, window) and queries t of FLOPs per pair x the keys j the
+    model may use: j <= t, j in t's document, t - j < window."""
+    pairs = 0
+    for row in doc_pos:
+        for t, p in enumerate(row):
+            for flops_per_pair, window in heads:
+                pairs += flops_per_pair * sum(1 for j in range(t - p, t + 1) if t - j < window)
+    return 6 * N * doc_pos.size + 3 * pairs
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Every matrix (or per-head stack of matrices) once: the tied head shares the embedding's."""
+    return sum(p.numel() for p in model.parameters() if p.ndim >= 2)
+
+
+def test_vanilla_decoder_counts_causal_in_document_pairs_at_every_query_head():
+    model = initialized("tiny")
+    cfg = model.config
+    doc_pos = random_doc_pos(3, 40, seed=1)
+    rule = comparison_flops_rule(model, 40)
+    heads = [(2 * (cfg.head_dim + cfg.head_dim), math.inf)] * (cfg.n_layer * cfg.n_head)  # GQA: every query head
+    counts = np.bincount(doc_pos.ravel(), minlength=40)
+    assert rule.params_matmul == matmul_params(model)
+    assert rule.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads)
+    assert rule.warning() is None
+    # one document per row: 6N + 3 x 4 x L x H x Q x (T + 1) / 2, half the MFU convention's attention term
+    assert rule.per_token() == 6 * rule.params_matmul + 6 * cfg.n_layer * cfg.n_head * cfg.head_dim * 41
+
+
+def test_multiscreen_counts_in_window_in_document_pairs_at_the_windows_current_values():
+    model = initialized("multiscreen-tiny")
+    cfg = model.config
+    doc_pos = random_doc_pos(2, 48, seed=2)
+    counts = np.bincount(doc_pos.ravel(), minlength=48)
+    windows = lambda: [w for block in model.blocks for w in block.window().tolist()]  # noqa: E731
+    heads = lambda: [(2 * (cfg.d_key + cfg.d_value), w) for w in windows()]  # noqa: E731
+    assert len(set(windows())) > 1 and min(windows()) < 48 < max(windows())  # windows inside and beyond the row
+    rule = comparison_flops_rule(model, 48)
+    assert rule.params_matmul == matmul_params(model)
+    assert rule.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
+
+    with torch.no_grad():  # training moves the windows: a new trace counts them where they are now
+        for block in model.blocks:
+            block.s_w.add_(torch.linspace(-0.5, 1.5, cfg.n_head))
+    moved = comparison_flops_rule(model, 48)
+    assert moved.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
+    assert moved.step_flops(counts) != rule.step_flops(counts)
+    assert ComparisonFlops.from_state_dict(json.loads(json.dumps(moved.state_dict()))) == moved  # checkpoints
+
+
+class EinsumAttentionLM(nn.Module):
+    """Causal attention written by hand: the trace cannot tell which of the T x T pairs it needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.qkv = nn.Linear(16, 48, bias=False)
+
+    def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
+        q, k, v = self.qkv(self.embed(idx)).chunk(3, dim=-1)
+        T = idx.shape[1]
+        scores = torch.einsum("btd,bsd->bts", q, k).masked_fill(torch.ones(T, T).triu(1).bool().to(idx.device), -1e9)
+        y = torch.einsum("bts,bsd->btd", scores.softmax(-1), v)
+        return F.cross_entropy(F.linear(y, self.embed.weight).flatten(0, 1), targets.flatten())
+
+
+def test_a_mixer_without_a_pair_formula_counts_densely_and_says_so():
+    rule = comparison_flops_rule(EinsumAttentionLM(), 8)
+    [mixer] = rule.dense
+    assert (mixer["op"], mixer["calls"], mixer["dense_flops_per_row"]) == ("bmm", 2, 2 * (2 * 8 * 8 * 16))  # q.k, p.v
+    assert rule.per_token() == 6 * (16 * 48 + 64 * 16) + 3 * 2 * (2 * 8 * 8 * 16) / 8
+    assert "bmm" in rule.warning() and "PAIR_FORMULAS" in rule.warning()
+
+
+@torch.library.custom_op("ppt_test::window_mix", mutates_args=())
+def window_mix(x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    return x * window.sum()
+
+
+@window_mix.register_fake
+def _(x, window):
+    return torch.empty_like(x)
+
+
+window_mix.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+
+
+class WindowMixLM(nn.Module):
+    """A researcher's mixer: a custom op whose heads look back a learned number of keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.log_window = nn.Parameter(torch.tensor([math.log(2.0), math.log(3.0)]))
+
+    def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
+        x = self.embed(idx)
+        x = x + window_mix(x, self.log_window.exp() + 1)  # windows 3 and 4
+        return F.cross_entropy(F.linear(x, self.embed.weight).flatten(0, 1), targets.flatten())
+
+
+def test_a_new_mixer_counts_through_a_pair_formula_registered_beside_it(monkeypatch):
+    module = types.ModuleType("ppt.kernels._test_window_mix")  # any loaded ppt.* module, model.py included
+    module.COST_FORMULAS = {torch.ops.ppt_test.window_mix: lambda x, window: {"flops": 0, "bytes": 0}}
+    module.PAIR_FORMULAS = {
+        torch.ops.ppt_test.window_mix: lambda x, window: [(10, math.ceil(w)) for w in window.tolist()]
+    }
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    rule = comparison_flops_rule(WindowMixLM(), 8)
+    doc_pos = np.array([[0, 1, 2, 3, 0, 1, 2, 3]])
+    counts = np.bincount(doc_pos.ravel(), minlength=8)
+    assert rule.step_flops(counts) == brute_force(doc_pos, 64 * 16, [(10, 3), (10, 4)])
+    assert rule.warning() is None
+
+
+def test_sdpa_with_an_explicit_mask_counts_densely():
+    class MaskedLM(EinsumAttentionLM):
+        def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
+            q, k, v = self.qkv(self.embed(idx)).unsqueeze(1).chunk(3, dim=-1)
+            T = idx.shape[1]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(T, T, device=idx.device).tril().bool())
+            return F.cross_entropy(F.linear(y.squeeze(1), self.embed.weight).flatten(0, 1), targets.flatten())
+
+    rule = comparison_flops_rule(MaskedLM(), 8)
+    assert rule.dense[0]["op"] == "scaled_dot_product_attention"
+    assert rule.dense[0]["dense_flops_per_row"] == 2 * 8 * 8 * (16 + 16)
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Synthetic shards of short documents (about 12 tokens), so 32-token rows hold several."""
+    from scripts.bench_train import write_synthetic_data
+
+    directory = tmp_path_factory.mktemp("short_docs")
+    write_synthetic_data(directory, 512, 20_000, 12, seed=0, val_tokens=2048, phrases=50)
+    return directory
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_the_loader_counts_the_document_positions_of_the_batches_it_returned(short_docs, prefetch):
+    loader = DataLoader(short_docs, "train", 3, 32, seed=5, prefetch=prefetch)
+    batches = [next(loader) for _ in range(4)]
+    expected = np.bincount(torch.cat([b[2] for b in batches]).numpy().ravel(), minlength=32)
+    assert np.array_equal(loader.take_doc_pos_counts(), expected)
+    assert expected[0] > 3 * 4 and expected.sum() == 3 * 4 * 32  # documents start inside rows
+    assert not loader.take_doc_pos_counts().any()  # handed over, so counted once
+    next(loader)
+    loader.load_state_dict(loader.state_dict())
+    assert not loader.take_doc_pos_counts().any()
+    loader.close()
+
+
+# ---- through training ------------------------------------------------------------------------------------------
+
+
+def train(argv: list[str]) -> None:
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        base_train.main(argv)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def run_argv(data: Path, out: Path, config: str, *extra: str) -> list[str]:
+    return [
+        "--config", config, "--data-dir", str(data), "--out-dir", str(out), "--tag", out.name, "--seq-len", "32",
+        "--total-batch-tokens", "128", "--device-batch-size", "2", "--target-tokens", str(6 * 128),
+        "--eval-every", "0", "--eval-tokens", "64", "--save-every", "0", "--compile", "off", "--device", "cpu", *extra,
+    ]  # fmt: skip
+
+
+def step_rows(out: Path) -> list[tuple[int, int, float]]:
+    history = json.loads((out / f"{out.name}.json").read_text())["history"]
+    return [(h["step"], h["comparison_flops"], h["loss"]) for h in history if "loss" in h]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_run_counts_the_documents_of_the_batches_it_trained_on(short_docs, tmp_path):
+    out = tmp_path / "vanilla"
+    train(run_argv(short_docs, out, "tiny", "--data-seed", "3"))
+    manifest = json.loads((out / "vanilla.json").read_text())
+    rule = ComparisonFlops.from_state_dict(manifest["comparison_flops_rule"])
+    loader = DataLoader(short_docs, "train", 2, 32, seed=3, prefetch=0)  # the run's batches, again
+    expected, total = [], 0
+    for _ in range(6):
+        doc_pos = torch.cat([next(loader)[2] for _ in range(2)]).numpy()
+        cfg = get_config("tiny")
+        total += brute_force(doc_pos, rule.params_matmul, [(4 * cfg.head_dim, math.inf)] * cfg.n_layer * cfg.n_head)
+        expected.append(total)
+    assert [flops for _, flops, _ in step_rows(out)] == expected
+    assert manifest["final_val"]["comparison_flops"] == manifest["comparison_flops"] == total
+
+    out = tmp_path / "whole-rows"
+    train(run_argv(short_docs, out, "tiny", "--data-seed", "3", "--no-doc-masks"))
+    flops = [flops for _, flops, _ in step_rows(out)]
+    assert flops == [k * 128 * rule.per_token() for k in range(1, 7)]  # every row one document
+    assert flops[-1] > total
+
+
+def test_an_interrupted_multiscreen_run_counts_exactly_what_the_whole_run_counts(short_docs, tmp_path, monkeypatch):
+    """The windows are learned, so the rule is traced again on a fixed schedule (every 2 steps here): a run stopped
+    between two traces resumes with the rule its checkpoint holds."""
+    monkeypatch.setattr(base_train, "RULE_RETRACE_STEPS", 2)
+    fast = ("--lr", "0.05")  # windows move within these few steps
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    train(run_argv(short_docs, whole, "multiscreen-tiny", *fast))
+    train(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--max-steps", "3"))
+    train(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--resume", "auto"))
+    assert step_rows(parts) == step_rows(whole)
+    increments = np.diff([0] + [flops for _, flops, _ in step_rows(whole)])
+    first = json.loads((whole / "whole.json").read_text())["comparison_flops_rule"]
+    assert first["traced_at_step"] == 0 and first["mixers"][0]["op"] == "screening"
+    from ppt import checkpoint as ckpt
+
+    final = ckpt.load_checkpoint(ckpt.latest_checkpoint(whole))["comparison"]
+    assert final["rule_step"] == 4 and final["rule"] != {k: first[k] for k in ("seq_len", "params_matmul", "mixers")}
+    assert len(set(increments.tolist())) > 1

@@ -1,0 +1,226 @@
+"""A run's record: the manifest holds what relaunches it, seeds mean one thing each, --recipe and --target-flops
+resolve as documented, and wandb continues one run across a resume and base_eval."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ppt import checkpoint as ckpt
+from ppt.common import PPTError
+from ppt.data import DataLoader
+from ppt.flops import ComparisonFlops
+from scripts import base_eval, base_train
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train(argv: list[str]) -> None:
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        base_train.main(argv)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def run_argv(data: Path, out: Path, *extra: str, config: str = "tiny", steps: int = 4) -> list[str]:
+    return [
+        "--config", config, "--data-dir", str(data), "--out-dir", str(out), "--tag", out.name, "--seq-len", "32",
+        "--total-batch-tokens", "128", "--device-batch-size", "2", "--target-tokens", str(steps * 128),
+        "--eval-every", "2", "--eval-tokens", "64", "--save-every", "0", "--compile", "off", "--device", "cpu", *extra,
+    ]  # fmt: skip
+
+
+def manifest(out: Path) -> dict:
+    return json.loads((out / f"{out.name}.json").read_text())
+
+
+def trajectory(out: Path) -> list[tuple]:
+    return [(h["step"], h["loss"], h["comparison_flops"]) for h in manifest(out)["history"] if "loss" in h]
+
+
+def test_the_manifest_records_the_run_and_relaunches_it(demo_data_dir, tmp_path, capsys):
+    first = tmp_path / "first"
+    argv = run_argv(demo_data_dir, first, "--weight-decay", "0.05", "--no-doc-masks")
+    train(argv)
+    log = capsys.readouterr().out
+    data = manifest(first)
+    assert data["argv"] == argv and data["command"].startswith("python -m scripts.base_train --config tiny")
+    recorded = data["train"]
+    assert recorded["weight_decay"] == 0.05 and recorded["grad_clip"] == 1.0 and recorded["decay_frac"] == 0.2
+    assert recorded["doc_masks"] is False and recorded["deterministic"] is False
+    assert (recorded["seed"], recorded["data_seed"], recorded["model_seed"]) == (0, 0, 0)
+    assert (recorded["warmup_steps"], recorded["steps"], recorded["schedule"]) == (0, 4, "wsd")
+    assert {tuple(g["betas"]) for g in recorded["optimizer_groups"]} == {(0.9, 0.95)}
+    assert len(data["tokenizer"]["fingerprint"]) == len(data["data"]["fingerprint"]) == 64
+    assert [e["step"] for e in data["evals"]] == [2, 4] and data["evals"][-1] == data["final_val"]
+    for entry in data["evals"]:
+        assert {"val_nll", "val_bpb", "tokens", "comparison_flops", "wall_time_s", "eval_tokens"} <= set(entry)
+        assert entry["tokens"] == 128 * entry["step"] and entry["eval_tokens"] == 64
+    assert 0 < data["evals"][0]["wall_time_s"] < data["final_val"]["wall_time_s"] and "finished" in data
+    steps = [h for h in data["history"] if "loss" in h]
+    assert all(h["grad_norm"] > 0 and h["max_rss_gb"] > 0 and "comparison_flops" in h for h in steps)
+    assert "step      2/4 (50.0%) | loss " in log and "| grad " in log and "| mem " in log and "elapsed, eta" in log
+
+    again = tmp_path / "again"
+    train(["--from-manifest", str(first / "first.json"), "--tag", "again", "--out-dir", str(again)])
+    assert trajectory(again) == trajectory(first)  # CPU: bit for bit
+    changed = {k: (v, manifest(again)["args"][k]) for k, v in data["args"].items() if manifest(again)["args"][k] != v}
+    assert changed == {"tag": ("first", "again"), "out_dir": (str(first), str(again))}
+
+    overridden = base_train.parse_args(["--from-manifest", str(first / "first.json"), "--lr", "1e-2"])
+    assert (overridden.lr, overridden.weight_decay, overridden.no_doc_masks) == (1e-2, 0.05, True)
+    with pytest.raises(PPTError, match=r"cannot relaunch from .*nothing\.json"):
+        base_train.parse_args(["--from-manifest", str(tmp_path / "nothing.json")])
+
+
+def test_the_mor_recipe_sets_its_published_configuration_and_flags_override_it():
+    args = base_train.parse_args(["--recipe", "mor"])
+    assert (args.config, args.seq_len, args.total_batch_tokens) == ("smollm-360m", 2048, 2_097_152)
+    assert (args.optimizer, args.lr, args.weight_decay, args.grad_clip) == ("adamw", 3e-3, 0.1, 1.0)
+    assert (args.schedule, args.decay_frac, args.no_doc_masks) == ("wsd", 0.2, True)
+    assert round(args.warmup_tokens / args.total_batch_tokens) == 57
+    assert args.target_tokens == 19.8e9 and int(args.target_tokens) // args.total_batch_tokens == 9441
+    args = base_train.parse_args(["--recipe", "mor", "--lr", "1e-3", "--doc-masks", "--config", "smollm-135m"])
+    assert (args.lr, args.no_doc_masks, args.config, args.seq_len) == (1e-3, False, "smollm-135m", 2048)
+    args = base_train.parse_args(["--recipe", "mor", "--target-flops", "4e19"])
+    assert (args.target_flops, args.target_tokens) == (4e19, None)
+
+
+def recording(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list]:
+    """Record the training batches base_train reads and the weights right after initialization."""
+    batches, inits = [], []
+    real_next, real_build = DataLoader.__next__, base_train.build_model
+
+    def next_batch(self):
+        batch = real_next(self)
+        if self.split == "train":
+            batches.append(batch[0].clone())
+        return batch
+
+    def build(config):
+        model = real_build(config)
+        init = model.init_weights
+
+        def init_and_record():
+            init()
+            inits.append([p.detach().clone() for p in model.parameters()])
+
+        model.init_weights = init_and_record
+        return model
+
+    monkeypatch.setattr(DataLoader, "__next__", next_batch)
+    monkeypatch.setattr(base_train, "build_model", build)
+    return batches, inits
+
+
+def test_one_data_seed_gives_every_architecture_the_same_tokens_and_the_model_seed_only_the_weights(
+    demo_data_dir, tmp_path, monkeypatch
+):
+    batches, inits = recording(monkeypatch)
+    runs = {}
+    for name, config, seeds in [
+        ("vanilla", "tiny", ["--data-seed", "7", "--model-seed", "1"]),
+        ("screening", "multiscreen-tiny", ["--data-seed", "7", "--model-seed", "1"]),
+        ("vanilla-init2", "tiny", ["--seed", "1", "--data-seed", "7", "--model-seed", "2"]),
+        ("vanilla-data8", "tiny", ["--data-seed", "8", "--model-seed", "1"]),
+    ]:
+        batches.clear()
+        train(run_argv(demo_data_dir, tmp_path / name, *seeds, "--loader-prefetch", "0", config=config, steps=2))
+        runs[name] = (torch.cat(batches), inits[-1])
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # noqa: E731
+    assert torch.equal(runs["vanilla"][0], runs["screening"][0])  # another architecture, the same token stream
+    assert torch.equal(runs["vanilla"][0], runs["vanilla-init2"][0]) and not same(
+        runs["vanilla"][1], runs["vanilla-init2"][1]
+    )
+    assert not torch.equal(runs["vanilla"][0], runs["vanilla-data8"][0]) and same(
+        runs["vanilla"][1], runs["vanilla-data8"][1]
+    )
+    seeds = manifest(tmp_path / "vanilla-init2")["train"]
+    assert (seeds["seed"], seeds["data_seed"], seeds["model_seed"]) == (1, 7, 2)
+
+
+def test_a_flops_budget_becomes_a_token_budget_at_the_start(demo_data_dir, tmp_path):
+    out = tmp_path / "budget"
+    with pytest.raises(PPTError, match="--target-tokens or as --target-flops, not both"):
+        train(run_argv(demo_data_dir, out, "--target-flops", "1e9"))
+    argv = [a for a in run_argv(demo_data_dir, out) if a not in ("--target-tokens", str(4 * 128))]
+    train([*argv, "--target-flops", "3.3e9", "--data-seed", "4"])
+    data = manifest(out)
+    budget = data["train"]["budget"]
+    rule = ComparisonFlops.from_state_dict(data["comparison_flops_rule"])
+    loader = DataLoader(demo_data_dir, "train", 2, 32, seed=4, prefetch=0)
+    doc_pos = torch.cat([next(loader)[2] for _ in range(2)]).numpy()  # the first step: 2 micro-batches
+    assert budget["comparison_flops_per_token_estimate"] == rule.per_token(np.bincount(doc_pos.ravel(), minlength=32))
+    assert budget["target_tokens"] == int(3.3e9 / budget["comparison_flops_per_token_estimate"])
+    assert data["train"]["steps"] == budget["target_tokens"] // 128 == data["steps_done"]
+    assert abs(data["comparison_flops"] - 3.3e9) < rule.per_token() * 128 * 1.1  # within about a step of the budget
+
+
+class FakeWandb(types.ModuleType):
+    """Stands in for wandb (no network): hands out run ids and records what each run was given."""
+
+    def __init__(self) -> None:
+        super().__init__("wandb")
+        self.inits: list[dict] = []
+        self.logged: list[tuple[str, dict]] = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        run_id = kwargs.get("id") or f"run{len(self.inits)}"
+        log = lambda data, step=None: self.logged.append((run_id, data))  # noqa: E731
+        return types.SimpleNamespace(id=run_id, log=log, finish=lambda: None)
+
+
+def test_wandb_continues_one_run_across_a_resume_and_an_evaluation(demo_data_dir, tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "tracked"
+    train([*run_argv(demo_data_dir, out, "--run", "tracked"), "--max-steps", "2"])
+    assert fake.inits[0]["id"] is None and fake.inits[0]["resume"] == "allow"
+    assert manifest(out)["wandb"] == {"project": "ppt", "name": "tracked", "id": "run1"}
+    train([*run_argv(demo_data_dir, out, "--run", "tracked"), "--resume", "auto"])
+    assert fake.inits[1]["id"] == "run1" and {run_id for run_id, _ in fake.logged} == {"run1"}
+    keys = set().union(*(data for _, data in fake.logged))
+    assert {"loss", "grad_norm", "max_rss_gb", "tokens", "comparison_flops", "val_nll", "val_bpb"} <= keys
+
+    fake.logged.clear()
+    base_eval.main(["--checkpoint", str(ckpt.latest_checkpoint(out)), "--data-dir", str(demo_data_dir), "--skip-tasks",
+                    "--device", "cpu", "--eval-tokens", "64", "--compile", "off"])  # fmt: skip
+    [(run_id, scores)] = fake.logged
+    assert fake.inits[-1]["id"] == run_id == "run1" and scores["eval/step"] == 4 and "eval/val_bpb" in scores
+    fake.logged.clear()
+    base_eval.main(["--checkpoint", str(ckpt.latest_checkpoint(out)), "--data-dir", str(demo_data_dir), "--skip-tasks",
+                    "--device", "cpu", "--eval-tokens", "64", "--compile", "off", "--no-wandb"])  # fmt: skip
+    assert not fake.logged
+
+
+def test_benchmark_scores_go_to_wandb_with_the_val_scores(monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    evaluation = {
+        "step": 9, "tokens": 900, "val": {"nll": 2.5, "bpb": 1.1},
+        "benchmarks": {"rows": {"HellaSwag": 37.8, "PIQA": 65.6}, "avg": 51.7},
+    }  # fmt: skip
+    assert base_eval.log_to_wandb({"wandb": {"id": "abc", "project": "ppt"}}, evaluation) == "abc"
+    expected = {"eval/val_nll": 2.5, "eval/val_bpb": 1.1, "eval/HellaSwag": 37.8, "eval/PIQA": 65.6, "eval/avg": 51.7}
+    assert fake.logged == [("abc", {**expected, "eval/step": 9, "eval/tokens": 900})]
+    assert base_eval.log_to_wandb({}, evaluation) is None and len(fake.inits) == 1
+
+
+def test_durations_read_at_a_glance():
+    assert [base_train.duration(s) for s in (42, 308, 28_680, 183_600)] == ["42s", "5m08s", "7h58m", "2d03h"]
