@@ -9,6 +9,7 @@ never code. `latest_checkpoint` skips anything that is not a complete, loadable 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ppt.common import PPTError, atomic_file, warn0
+from ppt.common import PPTError, atomic_file, format_sizes, warn0
 
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
@@ -51,14 +52,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: int = 0) -> Path:
     """Write payload atomically as step_<step>.pt; then, and only then, prune to the newest `keep` (0 keeps all)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
     try:
         with atomic_file(final) as f:
             torch.save({**payload, "step": step}, f)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
+        # torch's zip writer turns a failed write (disk full) into a RuntimeError raised while handling the OSError
+        cause = exc if isinstance(exc, OSError) else exc.__context__
+        if not isinstance(cause, OSError):
+            raise
         raise PPTError(
-            f"could not write checkpoint {final} ({exc.strerror or exc}); the previous checkpoint is untouched. "
+            f"could not write checkpoint {final} ({cause.strerror or cause}); the previous checkpoint is untouched. "
             "Free disk space or pass a writable --out-dir, then resume with --resume auto"
         ) from exc
     for stale in directory.glob(".step_*.pt.*.tmp"):  # left by a run killed mid-write; one writer per directory
@@ -73,10 +77,22 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     path = Path(path)
     if not path.is_file():
         raise PPTError(f"checkpoint {path} does not exist; pass a step_*.pt file or --resume auto")
+    with open(path, "rb") as f:
+        is_archive = f.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
+    if not is_archive:
+        raise PPTError(f"{path} is not a checkpoint (not a PyTorch archive); pass a step_*.pt file of base_train")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise PPTError(
+            f"checkpoint {path} holds Python objects other than tensors and plain containers; refused, because "
+            "loading them could run code. Use a checkpoint written by base_train"
+        ) from exc
     except Exception as exc:
-        raise PPTError(f"checkpoint {path} is unreadable or incomplete ({type(exc).__name__}); delete it") from exc
+        raise PPTError(
+            f"checkpoint {path} is unreadable or incomplete ({type(exc).__name__}): copy it again if it was copied, "
+            "else use an earlier one (--resume auto picks the newest complete checkpoint)"
+        ) from exc
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -112,7 +128,8 @@ def ensure_writable(directory: Path, needed_bytes: int) -> None:
         raise PPTError(f"output directory {directory} is not writable ({exc.strerror}); pass --out-dir DIR") from exc
     free = shutil.disk_usage(directory).free
     if free < 2 * needed_bytes:
+        free_text, one, two = format_sizes(free, needed_bytes, 2 * needed_bytes)
         raise PPTError(
-            f"only {free / 1e9:.2f} GB free under {directory}, a checkpoint needs about {needed_bytes / 1e9:.2f} GB "
-            "(two must fit while the older is replaced); free space or pass --out-dir on a larger disk"
+            f"only {free_text} free under {directory}; a checkpoint takes about {one}, and two ({two}) must fit while "
+            "the older is replaced: free space or pass --out-dir on a larger disk"
         )

@@ -9,11 +9,13 @@ Shard format, version 1. A fixed 1024-byte little-endian header, then the tokens
     16      8      token count, uint64
     24      4      vocab size, uint32
     28      4      EOT id, uint32
-    32      4      flags, uint32: bit 0 set when the offline demo tokenizer made the tokens
+    32      4      flags, uint32: bit 0 set when the offline demo tokenizer made the tokens; bit 1 when offset 164
+                   holds the largest token id
     36      32     tokenizer fingerprint: sha256 digest of the canonical tokenizer JSON
     68      32     sha256 digest of the token bytes (so a hash of the headers covers the content)
     100     64     tokenizer name, UTF-8, NUL-padded
-    164     860    zeros
+    164     4      the largest token id in the shard, uint32 (shards written before it existed: 0, bit 1 unset)
+    168     856    zeros
     1024    ...    the tokens
 
 The token stream of every shard starts with EOT and every document is followed by EOT, so each document is preceded
@@ -55,8 +57,9 @@ from ppt.tokenizer import Tokenizer, load_tokenizer
 MAGIC = b"PPTSHARD"
 VERSION = 1
 HEADER_BYTES = 1024
-_HEADER = struct.Struct("<8sIIQIII32s32s64s")
+_HEADER = struct.Struct("<8sIIQIII32s32s64sI")
 FLAG_DEMO = 1
+FLAG_MAX_ID = 2
 SPLITS = ("train", "val")
 PREPARE_HINT = (
     "create it with `python -m scripts.prepare_fineweb` (or `python -m scripts.prepare_fineweb --source demo` offline)"
@@ -76,6 +79,7 @@ class ShardInfo:
     tokenizer_name: str
     is_demo: bool
     tokens_sha256: str
+    max_token_id: int | None  # None in shards written before the header recorded it
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -123,10 +127,11 @@ def write_shard(
         tokens.size,
         vocab_size,
         eot_id,
-        FLAG_DEMO if demo else 0,
+        FLAG_MAX_ID | (FLAG_DEMO if demo else 0),
         bytes.fromhex(fingerprint),
         tokens_sha256,
         name_bytes,
+        int(tokens.max()),
     ).ljust(HEADER_BYTES, b"\0")
     with atomic_file(path) as f:
         f.write(header)
@@ -148,7 +153,8 @@ def read_shard(
         raw = f.read(HEADER_BYTES)
     if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
         raise PPTError(f"{path} is not a ppt shard (bad magic number); re-run prepare: {PREPARE_HINT}")
-    magic, version, itemsize, num_tokens, vocab_size, eot_id, flags, fp, tokens_sha, name = _HEADER.unpack_from(raw)
+    fields = _HEADER.unpack_from(raw)
+    _, version, itemsize, num_tokens, vocab_size, eot_id, flags, fp, tokens_sha, name, max_id = fields
     if version != VERSION:
         raise PPTError(f"{path} has shard format version {version}, this ppt reads {VERSION}; re-run prepare")
     dtype = token_dtype(vocab_size)
@@ -173,6 +179,7 @@ def read_shard(
         name.rstrip(b"\0").decode("utf-8", errors="ignore"),
         bool(flags & FLAG_DEMO),
         tokens_sha.hex(),
+        max_id if flags & FLAG_MAX_ID else None,
     )
     if expected_fingerprint is not None and info.tokenizer_fingerprint != expected_fingerprint:
         made_by = _describe_tokenizer(info.tokenizer_name, info.tokenizer_fingerprint, info.is_demo)
@@ -251,6 +258,14 @@ def dataset_fingerprint(data_dir: str | Path) -> str:
 # ---- the loader --------------------------------------------------------------------------------------------------
 
 
+def _out_of_vocab(path: str | Path, token_id: int, vocab_size: int, where: str = "") -> str:
+    return (
+        f"{path} holds token id {token_id}{where}, but the model's vocabulary has {vocab_size} ids (0 to "
+        f"{vocab_size - 1}); the shard was made by another tokenizer or is damaged: prepare the data again into an "
+        "empty --out"
+    )
+
+
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # inputs int64 (B,T), targets int64 (B,T), doc_pos int32
 
 
@@ -270,8 +285,9 @@ class _RowSource:
         block: int,
         seed: int,
         pin_memory: bool,
+        vocab_size: int,
     ) -> None:
-        self.tokens, self.seq_len, self.eot_id = tokens, seq_len, eot_id
+        self.tokens, self.seq_len, self.eot_id, self.vocab_size = tokens, seq_len, eot_id, vocab_size
         self.rank, self.world_size, self.block, self.seed = rank, world_size, block, seed
         self.pin_memory = pin_memory
         self.rows_per_shard = np.array([(t.size - 1) // seq_len for t in tokens], dtype=np.int64)
@@ -334,6 +350,11 @@ class _RowSource:
         for i, (shard, row) in enumerate(locations):
             tokens = self.tokens[shard][row * T : row * T + T + 1]
             x[i], y[i] = tokens[:-1], tokens[1:]
+        if max(y.max(), x[:, 0].max()) >= self.vocab_size:  # microseconds; the shards were checked when opened
+            bad = int(np.flatnonzero((y >= self.vocab_size).any(axis=1) | (x[:, 0] >= self.vocab_size))[0])
+            shard, row = locations[bad]
+            found = max(int(y[bad].max()), int(x[bad, 0]))
+            raise PPTError(_out_of_vocab(self.tokens[shard].filename, found, self.vocab_size, f" (row {row})"))
         positions = np.arange(T)
         # the latest document start at or before each position: an EOT, else the row start (position 0)
         last_start = np.maximum.accumulate(np.where(x == self.eot_id, positions, 0), axis=1)
@@ -419,6 +440,8 @@ class DataLoader:
     not those prefetched, and is the same on every rank, so resuming from rank 0's state resumes all ranks exactly.
     `take_doc_pos_counts()` hands over how many tokens of the batches `next()` returned since the last call sit at
     each document position (counted on the host where the batch is built: no device work, no sync).
+    `vocab_size` (the model's; default the shards') bounds the token ids: a shard holding a larger one is refused
+    when opened (its header records its largest id), and so is a batch that holds one.
     """
 
     def __init__(
@@ -433,6 +456,7 @@ class DataLoader:
         device: str | torch.device = "cpu",
         expected_fingerprint: str | None = None,
         prefetch: int = 2,
+        vocab_size: int | None = None,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
@@ -457,13 +481,17 @@ class DataLoader:
                     "re-run prepare into an empty --out directory"
                 )
         self.eot_id = first.eot_id
-        self.vocab_size = first.vocab_size
+        self.vocab_size = vocab_size or first.vocab_size
+        for info, tokens in shards:  # an id the model has no embedding for would crash it mid-run (CUDA: an assert)
+            largest = info.max_token_id if info.max_token_id is not None else int(tokens.max())  # older shards: a pass
+            if largest >= self.vocab_size:
+                raise PPTError(_out_of_vocab(info.path, largest, self.vocab_size))
         self.tokenizer_fingerprint = first.tokenizer_fingerprint
         pin_memory = self.device.type == "cuda"  # page-locked host memory: the copy to the GPU runs asynchronously
         # training rows go to ranks in blocks of a batch (see _RowSource.global_row); val rows one at a time
         block = batch_size if self.shuffle else 1
         self._source = _RowSource(
-            [t for _, t in shards], seq_len, self.eot_id, rank, world_size, block, seed, pin_memory
+            [t for _, t in shards], seq_len, self.eot_id, rank, world_size, block, seed, pin_memory, self.vocab_size
         )
         self.total_rows = int(self._source.rows_per_shard.sum())
         self.rows_per_rank = self._source.rows_per_rank

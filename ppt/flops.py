@@ -24,7 +24,6 @@ table relate a cost to a roofline. `python -m ppt.flops --config smollm-360m --d
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections import Counter, defaultdict
@@ -42,7 +41,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ppt.common import PPTError, warn0
+from ppt.common import ArgumentParser, PPTError, positive_float, positive_int, warn0
 
 OP_CLASSES = ("matmul", "elementwise", "reduction", "selection")
 PASSES = ("primal", "adjoint")
@@ -999,14 +998,14 @@ def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ppt.flops", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m ppt.flops", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="a name from ppt.model.CONFIGS (default: the model's default)")
-    parser.add_argument("--depth", type=int, help="the depth dial instead of a named config")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, help="tokens per row (default: the config's max_seq_len)")
+    parser.add_argument("--depth", type=positive_int, help="the depth dial instead of a named config")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the config's max_seq_len)")
     parser.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}, a CUDA device name, or cpu")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--duration-sec", type=float, help="a measured step time: adds achieved utilization")
+    parser.add_argument("--duration-sec", type=positive_float, help="a measured step time: adds achieved utilization")
     args = parser.parse_args(argv)
     try:
         from ppt.model import build_model, get_config  # the CLI is an entry point: it may bring the model in

@@ -7,6 +7,7 @@ progresses, so a crash leaves the last consistent version. A loss-curve PNG sits
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import platform
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ppt.common import PPTError, atomic_file
+from ppt.common import PPTError, atomic_file, warn0
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +109,8 @@ class RunReport:
                 ) from exc
 
     def plot(self, path: Path) -> Path | None:
-        """Train loss (and val bpb where measured) against tokens seen; None when there is nothing to plot."""
+        """Train loss (and val bpb where measured) against tokens seen; None when there is nothing to plot, or when
+        the file cannot be written (a warning: the checkpoints and the manifest, written before it, hold the run)."""
         train = [(h["tokens"], h["loss"]) for h in self.history if "loss" in h]
         val = [(h["tokens"], h["val_bpb"]) for h in self.history if "val_bpb" in h]
         if not self.enabled or not train:
@@ -130,7 +132,13 @@ class RunReport:
         ax.set_title(self.data["run"])
         ax.legend(loc="upper right")
         fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
         plt.close(fig)
+        try:
+            with atomic_file(path) as f:
+                f.write(png.getvalue())
+        except OSError as exc:
+            warn0(f"could not write the loss curve {path} ({exc.strerror or exc})")
+            return None
         return path

@@ -2,7 +2,8 @@
 and how many raw bytes each token stands for (the denominator of bits-per-byte).
 
 Production runs use HuggingFaceTB/cosmo2-tokenizer (vocab 49152, `<|endoftext|>` = 0). Offline, the demo trains a
-small byte-level BPE on an embedded corpus; shards and manifests record which one was used (`is_demo`).
+small byte-level BPE on an embedded corpus, and `prepare_fineweb --train-tokenizer` one on a local corpus; shards and
+manifests record which one was used (`is_demo` for the demo's).
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ def load_tokenizer(name_or_path: str | Path = DEFAULT_TOKENIZER) -> Tokenizer:
     return _read_tokenizer_file(cached, name)
 
 
-def train_demo_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
-    """Train the offline demo's byte-level BPE (EOT is id 0, like cosmo2). Deterministic for the same texts."""
+def train_bpe(texts: Iterable[str], vocab_size: int, name: str, is_demo: bool = False) -> Tokenizer:
+    """Train a byte-level BPE on `texts` (EOT is id 0, like cosmo2), deterministically for the same texts. A corpus
+    with fewer distinct merges than asked for gives a smaller vocabulary; `vocab_size` of the result says which."""
     if vocab_size < 258:
         raise PPTError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs 256 bytes + EOT, use >= 258")
     backend = BackendTokenizer(models.BPE())
@@ -160,4 +162,9 @@ def train_demo_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokeni
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer)
-    return Tokenizer(backend, f"demo-bpe-{vocab_size}", is_demo=True)
+    return Tokenizer(backend, name, is_demo=is_demo)
+
+
+def train_demo_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
+    """The offline demo's byte-level BPE, trained on the demo corpus."""
+    return train_bpe(texts, vocab_size, f"demo-bpe-{vocab_size}", is_demo=True)

@@ -25,7 +25,20 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ppt.common import PPTError, atomic_file, init_runtime, maybe_compile, print0, run_cli, shutdown_runtime
+from ppt.common import (
+    ArgumentParser,
+    PPTError,
+    atomic_file,
+    init_runtime,
+    maybe_compile,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    print0,
+    run_cli,
+    shutdown_runtime,
+    token_count,
+)
 from ppt.data import DataLoader, list_shards, read_shard
 from ppt.loss_eval import evaluate_bpb
 from ppt.tokenizer import Tokenizer
@@ -33,12 +46,14 @@ from scripts.model_io import LoadedRun, build_from_checkpoint, load_run, load_to
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model-tag", help="a training run's --tag: its latest complete checkpoint is evaluated")
     g.add_argument("--checkpoint", type=Path, help="a step_*.pt file (or a folder of them) instead of --model-tag")
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
-    g.add_argument("--batch-size", type=int, default=8, help="rows per forward, for bpb and lm-eval (default 8)")
+    g.add_argument(
+        "--batch-size", type=positive_int, default=8, help="rows per forward, for bpb and lm-eval (default 8)"
+    )
     g.add_argument(
         "--compile",
         choices=["auto", "on", "off"],
@@ -47,13 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g = p.add_argument_group("bits per byte")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default: the run's data dir, else the default)")
-    g.add_argument("--eval-tokens", type=float, default=10_485_760, help="val tokens to score (default 10M)")
-    g.add_argument("--seq-len", type=int, help="tokens per row (default: the run's training seq len)")
+    g.add_argument("--eval-tokens", type=token_count, default=10_485_760, help="val tokens to score (default 10M)")
+    g.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the run's training seq len)")
     g = p.add_argument_group("benchmarks (lm-eval)")
     g.add_argument("--protocol", choices=["ppt", "mor"], default="ppt", help="task preset and shots (default ppt)")
     g.add_argument("--tasks", help="lm-eval tasks instead of the preset, comma-separated; NAME:SHOTS sets shots")
-    g.add_argument("--num-fewshot", type=int, default=0, help="shots for --tasks entries without :SHOTS")
-    g.add_argument("--limit", type=float, help="examples per task (a fraction below 1): for quick checks only")
+    g.add_argument("--num-fewshot", type=nonneg_int, default=0, help="shots for --tasks entries without :SHOTS")
+    g.add_argument("--limit", type=positive_float, help="examples per task (a fraction below 1): for quick checks only")
     g.add_argument("--include-path", type=Path, action="append", default=[], help="a folder of local task YAMLs")
     g.add_argument("--skip-tasks", action="store_true", help="bits per byte only")
     g.add_argument("--demo-task", action="store_true", help="run only a local task built from the val split")
@@ -145,8 +160,14 @@ def update_manifests(run: LoadedRun, evaluation: dict[str, Any]) -> list[Path]:
         previous = manifest.get("eval", {})
         same = previous.get("checkpoint") == evaluation["checkpoint"]
         manifest["eval"] = {**previous, **evaluation} if same else evaluation
-        with atomic_file(path) as f:
-            f.write(json.dumps(manifest, indent=1, default=str).encode("utf-8"))
+        try:
+            with atomic_file(path) as f:
+                f.write(json.dumps(manifest, indent=1, default=str).encode("utf-8"))
+        except OSError as exc:
+            raise PPTError(
+                f"could not write the results into {path} ({exc.strerror or exc}); the previous version is untouched: "
+                "free disk space and evaluate again"
+            ) from exc
     return existing
 
 
@@ -197,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         0,
         rt.device,
         expected_fingerprint=tokenizer.fingerprint,
+        vocab_size=model.config.vocab_size,
     )
     budget = int(args.eval_tokens)
     n_batches = -(-min(budget // (seq_len * rt.world_size), val.rows_per_rank) // args.batch_size)

@@ -4,6 +4,9 @@ python -m scripts.base_train --config smollm-135m --target-tokens 1e9
 torchrun --nproc_per_node=8 -m scripts.base_train --config smollm-360m --target-tokens 20e9
 python -m scripts.base_train --recipe mor                  # the Mixture-of-Recursions Vanilla recipe (SmolLM-360M)
 python -m scripts.base_train --from-manifest RUN.json --tag rerun   # relaunch a run from its manifest
+python -m scripts.base_train ... --resume auto             # continue a stopped or killed run from its newest checkpoint
+
+A run owns its checkpoint directory and its name (--tag) while it runs: a second run with either stops at once.
 """
 
 from __future__ import annotations
@@ -28,13 +31,24 @@ import torch
 
 from ppt import checkpoint as ckpt
 from ppt.common import (
+    ArgumentParser,
+    Number,
     PPTError,
     cache_dir,
+    hold_lock,
     init_runtime,
+    lock_directory,
     maybe_compile,
+    nonneg_float,
+    nonneg_int,
+    nonneg_token_count,
+    positive_float,
+    positive_int,
     print0,
+    release_locks,
     run_cli,
     shutdown_runtime,
+    token_count,
     warn0,
     wrap_ddp,
 )
@@ -72,7 +86,7 @@ TRAIN_LENGTH_FIELD = "train_seq_len"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("recipe and relaunch")
     g.add_argument(
         "--recipe",
@@ -88,26 +102,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("model")
     g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)} (default smollm-360m unless --depth)")
-    g.add_argument("--depth", type=int, help="the scaling dial: width and heads derived from depth")
+    g.add_argument("--depth", type=positive_int, help="the scaling dial: width and heads derived from depth")
     g = p.add_argument_group("data and batch")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default <cache>/data/fineweb-edu)")
-    g.add_argument("--seq-len", type=int, help="tokens per row (default min(2048, the config's max_seq_len))")
-    g.add_argument("--total-batch-tokens", type=int, help="tokens per optimizer step, all ranks (default 524288)")
-    g.add_argument("--device-batch-size", type=int, help="rows per forward on one device; accumulation derived")
-    g.add_argument("--target-tokens", type=float, help="training budget in tokens (default 20 x parameters)")
+    g.add_argument("--seq-len", type=positive_int, help="tokens per row (default min(2048, the config's max_seq_len))")
+    g.add_argument(
+        "--total-batch-tokens", type=token_count, help="tokens per optimizer step, all ranks (default 524288)"
+    )
+    g.add_argument(
+        "--device-batch-size", type=positive_int, help="rows per forward on one device; accumulation derived"
+    )
+    g.add_argument("--target-tokens", type=token_count, help="training budget in tokens (default 20 x parameters)")
     g.add_argument(
         "--target-flops",
-        type=float,
+        type=positive_float,
         help="training budget in comparison FLOPs instead of tokens: converted once, at the start, into tokens "
         "(the manifest records the conversion; compare reports the FLOPs the run really counted)",
     )
     g = p.add_argument_group("optimization")
     g.add_argument("--optimizer", choices=["adamw", "muon", "aurora"], default="adamw")
-    g.add_argument("--lr", type=float, help="peak learning rate (default per optimizer)")
-    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--lr", type=positive_float, help="peak learning rate (default per optimizer)")
+    g.add_argument("--weight-decay", type=nonneg_float, default=0.1)
     g.add_argument("--schedule", choices=["constant", "cosine", "wsd"], default="wsd")
-    g.add_argument("--warmup-tokens", type=float, help="LR warmup length in tokens (default 1%% of the budget)")
-    g.add_argument("--decay-frac", type=float, default=0.2, help="wsd: the last fraction of steps, decayed linearly")
+    g.add_argument(
+        "--warmup-tokens", type=nonneg_token_count, help="LR warmup length in tokens (default 1%% of the budget)"
+    )
+    g.add_argument(
+        "--decay-frac", type=Number(float, 0, 1), default=0.2, help="wsd: the last fraction of steps, decayed linearly"
+    )
     g.add_argument(
         "--no-doc-masks",
         action="store_true",
@@ -116,25 +138,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--doc-masks", dest="no_doc_masks", action="store_false", help="document masks (the default; undoes a recipe's)"
     )
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0 disables)")
-    g.add_argument("--skip-nonfinite", type=int, default=0, help="skip up to N steps whose loss/grad is NaN/inf")
+    g.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm (0 disables)")
+    g.add_argument("--skip-nonfinite", type=nonneg_int, default=0, help="skip up to N steps whose loss/grad is NaN/inf")
     g = p.add_argument_group("run")
     g.add_argument("--tag", help="checkpoint/report name (default: the config name or d<depth>)")
     g.add_argument("--out-dir", type=Path, help="checkpoint dir (default <cache>/checkpoints/<tag>)")
-    g.add_argument("--eval-every", type=int, default=250, help="steps between val bpb (0: only at the end)")
-    g.add_argument("--eval-tokens", type=float, default=10_485_760, help="val tokens per evaluation")
-    g.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (0: only at the end)")
-    g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0 keeps all)")
+    g.add_argument("--eval-every", type=nonneg_int, default=250, help="steps between val bpb (0: only at the end)")
+    g.add_argument("--eval-tokens", type=token_count, default=10_485_760, help="val tokens per evaluation")
+    g.add_argument("--save-every", type=nonneg_int, default=1000, help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--keep", type=nonneg_int, default=3, help="checkpoints to keep (0 keeps all)")
     g.add_argument("--resume", help="'auto' (latest complete checkpoint in --out-dir, if any) or a checkpoint path")
     g.add_argument("--run", help="wandb run name; wandb stays off without it")
-    g.add_argument("--seed", type=int, default=0, help="sets --data-seed and --model-seed where they are not given")
+    g.add_argument(
+        "--seed", type=nonneg_int, default=0, help="sets --data-seed and --model-seed where they are not given"
+    )
     g.add_argument(
         "--data-seed",
-        type=int,
+        type=nonneg_int,
         help="the order of the training rows: at one data seed, sequence length and batch every architecture sees "
         "the same tokens in the same order",
     )
-    g.add_argument("--model-seed", type=int, help="the initialization of the weights, and nothing else")
+    g.add_argument("--model-seed", type=nonneg_int, help="the initialization of the weights, and nothing else")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="torch.compile (auto: on CUDA)")
     g.add_argument(
         "--compile-mode",
@@ -144,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--loader-prefetch",
-        type=int,
+        type=nonneg_int,
         default=2,
         help="batches a background thread builds ahead (0: built in the main thread, in next())",
     )
@@ -153,8 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="deterministic kernels only (slower; an op without one stops the run): identical runs, identical losses",
     )
-    g.add_argument("--log-every", type=int, default=1)
-    g.add_argument("--max-steps", type=int, help="stop at this step without changing the LR schedule (benchmarks)")
+    g.add_argument("--log-every", type=positive_int, default=1)
+    g.add_argument(
+        "--max-steps", type=positive_int, help="stop at this step without changing the LR schedule (benchmarks)"
+    )
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
     g.add_argument(
         "--benchmark",
@@ -214,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(parse_args(argv), argv)
     finally:
+        release_locks()  # the output directory's and the run name's
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         torch.use_deterministic_algorithms(deterministic)
@@ -277,6 +304,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         rt.device,
         expected_fingerprint=tokenizer.fingerprint,
         prefetch=args.loader_prefetch,
+        vocab_size=config.vocab_size,
     )
     token_bytes = tokenizer.token_bytes().to(rt.device)
 
@@ -285,6 +313,9 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     out_dir = args.out_dir or cache_dir() / "checkpoints" / tag
     if rt.is_master:
         ckpt.ensure_writable(out_dir, needed_bytes=n_params * 4 * 3)
+        if not args.benchmark:  # one run per checkpoint directory and per run name (it names the manifest)
+            lock_directory(out_dir, "give this run another --tag or --out-dir")
+            hold_lock(cache_dir() / "reports" / f".{tag}.lock", f"the run name {tag!r}", "give this run another --tag")
     config_dict = {"class": type(config).__name__, **dataclasses.asdict(config)}
     start_step, tokens_seen, history, skipped = 0, 0, [], 0
     state: dict[str, Any] = {}
@@ -343,9 +374,19 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             "target_tokens": int(args.target_flops / per_token),
         }
     target_tokens = int(budget["target_tokens"] if args.target_flops else args.target_tokens or 20 * n_params)
-    total_steps = max(1, target_tokens // total_batch)
+    if target_tokens < total_batch:
+        given = (
+            f"--target-flops {args.target_flops:g} ({target_tokens} tokens)"
+            if args.target_flops
+            else (f"--target-tokens {target_tokens}")
+        )
+        raise PPTError(
+            f"{given} is less than one step of {total_batch} tokens (--total-batch-tokens); raise the budget or "
+            "lower --total-batch-tokens"
+        )
+    total_steps = target_tokens // total_batch
     last_step = min(total_steps, args.max_steps or total_steps)  # --max-steps stops early; the schedule is unchanged
-    warmup_tokens = args.warmup_tokens or 0.01 * target_tokens
+    warmup_tokens = 0.01 * target_tokens if args.warmup_tokens is None else args.warmup_tokens
     warmup_steps = round(warmup_tokens / total_batch)
 
     # ---- compile and DDP --------------------------------------------------------------------------------------
@@ -499,6 +540,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             0,
             rt.device,
             expected_fingerprint=tokenizer.fingerprint,
+            vocab_size=config.vocab_size,
         )
         result = evaluate_bpb(compiled_model, val_loader.val_batches(int(args.eval_tokens)), token_bytes, rt.dtype)
         gc.freeze()  # the first call compiled the evaluation graphs: out of the collector's scans too

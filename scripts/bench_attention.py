@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ppt.common import PPTError, run_cli
+from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
 from ppt.kernels.attention import document_mask, flex_attention
 from ppt.model import get_config
 
@@ -72,12 +72,12 @@ def sdpa_path(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="smollm-360m")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--mean-doc-len", type=int, default=1024)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--mean-doc-len", type=positive_int, default=1024)
+    p.add_argument("--iters", type=positive_int, default=20)
     p.add_argument("--flex-options", nargs="*", default=[], help="JSON dicts of FlexAttention kernel_options to try")
     p.add_argument(
         "--autotune",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ppt.common import init_runtime, maybe_compile, run_cli
+from ppt.common import ArgumentParser, init_runtime, maybe_compile, positive_int, run_cli, token_count
 from ppt.data import DataLoader
 from ppt.loss_eval import evaluate_bpb
 from ppt.model import build_model, get_config
@@ -25,13 +25,13 @@ from scripts.bench_train import synthetic_tokenizer, write_synthetic_data
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="smollm-360m")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--batch-size", default="16", help="comma list of rows per forward")
-    p.add_argument("--eval-tokens", type=float, default=10_485_760)
+    p.add_argument("--eval-tokens", type=token_count, default=10_485_760)
     p.add_argument("--compile", default="on", help="comma list of on/off")
-    p.add_argument("--mean-doc-len", type=int, default=1024)
+    p.add_argument("--mean-doc-len", type=positive_int, default=1024)
     args = p.parse_args(argv)
 
     rt = init_runtime()

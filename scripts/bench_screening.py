@@ -45,7 +45,7 @@ import triton.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from ppt.common import PPTError, run_cli  # noqa: E402
+from ppt.common import ArgumentParser, PPTError, nonneg_int, positive_float, positive_int, run_cli  # noqa: E402
 from ppt.kernels import screening_triton as kernels  # noqa: E402
 from ppt.kernels.screening import screening, screening_cost, screening_metadata, screening_reference  # noqa: E402
 
@@ -72,21 +72,25 @@ PLAN_NAMES = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=65536)
-    p.add_argument("--row-len", type=int, default=4096, help="T: tokens per batch row (and the longest document)")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--dk", type=int, default=16)
-    p.add_argument("--dv", type=int, default=64)
-    p.add_argument("--rho", type=float, default=2.0, help="acceptance multiplier 1/r (model init r = 0.5)")
-    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the floor estimate (H200: 4.8)")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=positive_int, default=65536)
+    p.add_argument(
+        "--row-len", type=positive_int, default=4096, help="T: tokens per batch row (and the longest document)"
+    )
+    p.add_argument("--heads", type=positive_int, default=16)
+    p.add_argument("--dk", type=positive_int, default=16)
+    p.add_argument("--dv", type=positive_int, default=64)
+    p.add_argument("--rho", type=positive_float, default=2.0, help="acceptance multiplier 1/r (model init r = 0.5)")
+    p.add_argument(
+        "--hbm-tbps", type=positive_float, default=4.8, help="HBM bandwidth for the floor estimate (H200: 4.8)"
+    )
     p.add_argument("--ref", "--seed-ref", dest="ref", type=Path, default=ROOT / ".ref", help="the seed's folder")
     p.add_argument("--baseline", type=Path, help="a screening_triton.py of another commit, timed on the same inputs")
     p.add_argument("--baseline-optim", type=Path, help="an optim.py of another commit, for --optimizer")
     p.add_argument("--sweep", action="store_true", help="time tile sizes per window class, report the fastest plans")
     p.add_argument("--profile", action="store_true", help="device time of one fwd+bwd by kernel (torch.profiler)")
     p.add_argument("--optimizer", action="store_true", help="time an Aurora step on multiscreen-d16's parameters")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument(
         "--device", default="cuda", help="cuda; cpu only under TRITON_INTERPRET=1 (a smoke test of this script)"
     )

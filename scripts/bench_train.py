@@ -25,7 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from ppt.common import PPTError, run_cli
+from ppt.common import ArgumentParser, Number, PPTError, positive_int, run_cli, token_count
 from ppt.data import shard_path, write_meta, write_shard
 from ppt.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
 
@@ -113,18 +113,18 @@ def run_variant(base_args: list[str], extra: list[str], nproc: int) -> tuple[dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="smollm-360m")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--device-batch-size", type=int, default=16)
-    p.add_argument("--total-batch-tokens", type=int, help="default: one device batch (no accumulation)")
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--device-batch-size", type=positive_int, default=16)
+    p.add_argument("--total-batch-tokens", type=token_count, help="default: one device batch (no accumulation)")
     p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--steps", type=int, default=20, help="steps per variant; the first 5 are not measured")
+    p.add_argument("--steps", type=positive_int, default=20, help="steps per variant; the first 5 are not measured")
     p.add_argument("--compile", default="on", help="comma list of on/off")
     p.add_argument("--doc-masks", default="on", help="comma list: on (document masking) / off (plain causal rows)")
-    p.add_argument("--nproc", type=int, default=1, help="GPUs: more than 1 launches through torchrun (DDP)")
-    p.add_argument("--vocab-size", type=int, default=49152)
-    p.add_argument("--mean-doc-len", type=int, default=1024)
+    p.add_argument("--nproc", type=positive_int, default=1, help="GPUs: more than 1 launches through torchrun (DDP)")
+    p.add_argument("--vocab-size", type=Number(int, 258, 2**32 - 1), default=49152)
+    p.add_argument("--mean-doc-len", type=positive_int, default=1024)
     p.add_argument(
         "--profile",
         action="store_true",

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ppt.common import PPTError, run_cli
+from ppt.common import ArgumentParser, Number, PPTError, nonneg_float, nonneg_int, positive_float, positive_int, run_cli
 from scripts.bench_train import launcher, write_synthetic_data
 
 
@@ -37,22 +37,20 @@ def losses(report: Path) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="smollm-135m")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--device-batch-size", type=int, default=4)
+    p.add_argument("--nproc", type=positive_int, default=2)
+    p.add_argument("--steps", type=Number(int, 2), default=20, help="at least 2 (the resume run stops halfway)")
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--device-batch-size", type=positive_int, default=4)
     p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--lr", type=float, help="peak LR (default: the optimizer's); on random tokens a rising loss "
-                   "amplifies every rounding difference, so pick one at which the loss falls")  # fmt: skip
-    p.add_argument("--phrases", type=int, default=1000, help="synthetic text drawn from this many random 8-token "
-                   "phrases, so the loss falls and gradients are signal (0: uniform random tokens)")  # fmt: skip
+    p.add_argument("--lr", type=positive_float, help="peak LR (default: the optimizer's); on random tokens a rising "
+                   "loss amplifies every rounding difference, so pick one at which the loss falls")  # fmt: skip
+    p.add_argument("--phrases", type=nonneg_int, default=1000, help="synthetic text drawn from this many random "
+                   "8-token phrases, so the loss falls and gradients carry signal (0: uniform noise)")  # fmt: skip
     p.add_argument("--compile", default="off", help="on/off for every run (off: the check is about DDP, not speed)")
-    p.add_argument("--tolerance", type=float, default=1e-3, help="largest allowed |loss difference| per step")
+    p.add_argument("--tolerance", type=nonneg_float, default=1e-3, help="largest allowed |loss difference| per step")
     args = p.parse_args(argv)
-    if args.steps < 2:
-        raise PPTError("--steps must be at least 2 (the resume run stops halfway)")
 
     total_batch = args.device_batch_size * args.seq_len * args.nproc
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppt.common import PPTError, cache_dir, print0, run_cli
+from ppt.common import ArgumentParser, PPTError, cache_dir, print0, run_cli
 
 # What must be equal for numbers to be comparable: (column name, how to read it from a manifest)
 MUST_MATCH: dict[str, Callable[[dict], Any]] = {
@@ -411,7 +411,7 @@ def compare(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run tags (<cache>/reports/<tag>.json), manifest paths, or globs")
     p.add_argument(
         "--baseline", help="the setting the others are compared to: its label, config name or a run tag (default: "

@@ -1,7 +1,19 @@
 # Sourced by the other scripts: make sure uv exists, then sync the project environment with the given extras.
-# Usage: source scripts/env.sh; ppt_env --extra cpu --extra dev
+# Usage: source scripts/env.sh; ppt_help "$0" "$@"; ppt_env --extra cpu --extra dev
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# With -h or --help among the arguments: print the script's header comment (its usage) and exit 0, before anything
+# is synced, installed, prepared or trained.
+ppt_help() {
+    local script="$1"
+    shift
+    for arg in "$@"; do
+        case "$arg" in
+            -h|--help) awk 'NR == 1 && /^#!/ { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$script"; exit 0 ;;
+        esac
+    done
+}
 
 ppt_env() {
     if ! command -v uv >/dev/null 2>&1; then
@@ -18,3 +30,7 @@ ppt_backend() {
     elif command -v rocm-smi >/dev/null 2>&1; then echo rocm
     else echo cpu; fi
 }
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # run, not sourced: there is nothing to do but say what it is for
+    ppt_help "$0" --help
+fi

@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
-from ppt.common import PPTError, run_cli
+from ppt.common import ArgumentParser, PPTError, run_cli
 from ppt.tokenizer import EOT_TOKEN, Tokenizer
 from scripts.model_io import load_run, load_tokenizer_for
 
@@ -155,7 +155,7 @@ def export_llama(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-tag", help="a training run's --tag: its latest checkpoint is exported")
     p.add_argument("--checkpoint", type=Path, help="a step_*.pt file (or a folder of them) instead of --model-tag")
     p.add_argument("--data-dir", type=Path, help="where the run's tokenizer.json is (default: the run's data dir)")

@@ -27,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ppt.common import PPTError, run_cli
+from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"forward": "_forward_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
@@ -102,13 +102,13 @@ def parse_blocks(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernel-file", type=Path, default=ROOT / "ppt" / "kernels" / "screening_triton.py")
     p.add_argument("--blocks", type=parse_blocks, nargs="+", help="blocks to compile (default: each plan's own)")
     p.add_argument("--kernels", default="forward,dq,dkdv", help="comma list of forward, dq, dkdv")
-    p.add_argument("--dk", type=int, default=16)
-    p.add_argument("--dv", type=int, default=64)
-    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    p.add_argument("--dk", type=positive_int, default=16)
+    p.add_argument("--dv", type=positive_int, default=64)
+    p.add_argument("--arch", type=positive_int, default=90, help="compute capability x 10 (90: H100/H200)")
     args = p.parse_args(argv)
     if not args.kernel_file.is_file():
         raise PPTError(f"--kernel-file {args.kernel_file} is not a file")

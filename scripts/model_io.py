@@ -67,7 +67,7 @@ def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | No
     directory = cache_dir() / "checkpoints" / model_tag
     path = ckpt.latest_checkpoint(directory)
     if path is None:
-        runs = sorted(p.name for p in directory.parent.iterdir() if p.is_dir()) if directory.parent.is_dir() else []
+        runs = sorted(p.name for p in directory.parent.glob("*") if ckpt.list_checkpoints(p))  # not empty leftovers
         known = f"; runs under {directory.parent}: {', '.join(runs)}" if runs else ""
         raise PPTError(f"no checkpoint for tag {model_tag!r} in {directory}{known}; train it or pass --checkpoint PATH")
     return path, model_tag
@@ -120,9 +120,19 @@ def build_from_checkpoint(run: LoadedRun, device: torch.device | str = "cpu") ->
 
 
 def load_tokenizer_for(run: LoadedRun, data_dir: str | Path | None = None) -> tuple[Tokenizer, Path]:
-    """The tokenizer of `data_dir` (default: the run's recorded data dir, else the default one), checked against
-    the fingerprint the checkpoint was trained with."""
+    """The tokenizer of `data_dir` (default: the data dir the run's manifest records, else the default one if it
+    exists), checked against the fingerprint the checkpoint was trained with."""
     recorded = run.manifest().get("data", {}).get("dir")
+    if not data_dir and recorded and not (Path(recorded) / "meta.json").is_file():
+        raise PPTError(
+            f"{run.path} was trained on {recorded} (its run manifest says), which holds no prepared data now; "
+            "pass --data-dir with that data"
+        )
+    if not (data_dir or recorded or (default_data_dir() / "meta.json").is_file()):
+        raise PPTError(
+            f"the run manifest of {run.path} is missing, so the data it was trained on is unknown; pass --data-dir "
+            "with the prepared data directory it was trained on"
+        )
     directory = Path(data_dir or recorded or default_data_dir()).expanduser()
     tokenizer = load_data_tokenizer(directory)
     expected = run.state.get("tokenizer_fingerprint")

@@ -49,12 +49,13 @@ import statistics
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ppt.common import PPTError, atomic_file, run_cli
+import tomllib
+
+from ppt.common import ArgumentParser, PPTError, atomic_file, positive_int, run_cli
 from scripts.compare import compare
 
 # Flags the runner sets itself for every run; a grid that passes them would make runs that are not what they say.
@@ -426,13 +427,13 @@ def report_failures(failures: list[Outcome]) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m scripts.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("grid", type=Path, help="the grid file (TOML, as above)")
     p.add_argument("--out", type=Path, help="study directory (default runs/<grid name>)")
     p.add_argument("--data-dir", type=Path, help="prepared shards, instead of the grid's data_dir")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time on this machine (default 1)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="runs at a time on this machine (default 1)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and every command; run nothing")
     args = p.parse_args(argv)
     if args.jobs < 1:

@@ -38,10 +38,22 @@ def test_latest_skips_partial_and_corrupt_files(tmp_path):
 def test_load_refuses_code_objects(tmp_path):
     path = tmp_path / "step_00000001.pt"
     torch.save({"model": {}, "evil": print}, path)  # a pickled callable must not be loaded
-    with pytest.raises(PPTError, match="unreadable"):
+    with pytest.raises(PPTError, match="holds Python objects other than tensors.*could run code"):
         ckpt.load_checkpoint(path)
     with pytest.raises(PPTError, match="does not exist"):
         ckpt.load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_load_tells_a_file_that_is_no_checkpoint_from_a_damaged_one(tmp_path):
+    """A file of another kind is not a checkpoint (nothing to delete); a cut one is, and --resume auto skips it."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint")
+    with pytest.raises(PPTError, match=r"notes\.txt is not a checkpoint \(not a PyTorch archive\); pass a step_\*\.pt"):
+        ckpt.load_checkpoint(notes)
+    cut = ckpt.save_checkpoint(tmp_path, 1, payload(1.0))
+    cut.write_bytes(cut.read_bytes()[:300])
+    with pytest.raises(PPTError, match=r"unreadable or incomplete .*--resume auto picks the newest complete"):
+        ckpt.load_checkpoint(cut)
 
 
 def test_rng_round_trip():
@@ -61,7 +73,7 @@ def test_unwritable_output_dir_fails_early(tmp_path):
     blocker.write_text("x")
     with pytest.raises(PPTError, match="not writable"):
         ckpt.ensure_writable(blocker / "sub", 10)
-    with pytest.raises(PPTError, match="GB free"):
+    with pytest.raises(PPTError, match=r"B free under .*; a checkpoint takes about 1000000\.0 TB"):
         ckpt.ensure_writable(tmp_path, 10**18)
 
 

@@ -1,10 +1,15 @@
 """The command lines users type (README, issues, scripts/*.sh) are an interface: renaming a flag breaks them."""
 
+import argparse
+import importlib
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ppt.common import ArgumentParser, Number
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,3 +85,99 @@ def test_shell_scripts_use_only_existing_flags():
         flags = [word.split("=")[0] for word in command if word.startswith("--")]
         unknown = [flag for flag in flags if flag not in help_text]
         assert flags and not unknown, f"scripts/{script} passes {unknown}, which base_train does not accept"
+
+
+# ---- every numeric flag of every entry point refuses bad values ------------------------------------------------------
+
+ENTRY_POINTS = [
+    f"scripts.{p.stem}"
+    for p in sorted((ROOT / "scripts").glob("*.py"))
+    if 'if __name__ == "__main__":' in p.read_text()
+] + ["ppt.flops"]
+NOT_OURS = {"scripts.lm_eval"}  # lm-eval's own command line, flags and checks
+BAD_VALUES = {
+    "zero": "0",
+    "negative": "-1",
+    "nan": "nan",
+    "inf": "inf",
+    "absurdly large": "1" + "0" * 30,
+    "word": "ten",
+}
+
+
+class Captured(BaseException):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def parser_of(module_name: str) -> argparse.ArgumentParser:
+    """The parser an entry point builds, caught as it starts parsing (so nothing else of main runs)."""
+    module = importlib.import_module(module_name)
+
+    def capture(self, args=None, namespace=None):
+        raise Captured(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+        mp.setattr(sys, "argv", [module_name])
+        with pytest.raises(Captured) as captured:
+            module.main()
+    return captured.value.parser
+
+
+def numeric_flags(parser: argparse.ArgumentParser) -> dict[str, Number]:
+    return {a.option_strings[-1]: a.type for a in parser._actions if isinstance(a.type, Number)}
+
+
+def accepts(check: Number, kind: str) -> bool:
+    """Which kinds of value a flag's declared range takes: 0 when its minimum allows it, any finite number of any
+    size when it is an unbounded float; never a negative (no flag goes below 0), NaN, inf or a word."""
+    if kind == "zero":
+        return check.minimum < 0 or (check.minimum == 0 and not check.above)
+    return kind == "absurdly large" and check.kind is float and check.maximum == math.inf
+
+
+@pytest.mark.parametrize("module", [m for m in ENTRY_POINTS if m not in NOT_OURS])
+def test_every_numeric_flag_declares_its_range(module):
+    """A flag typed plain int or float (or with a numeric default and no type) takes 0, negatives, NaN and inf."""
+    parser = parser_of(module)
+    unchecked = [
+        a.option_strings[-1]
+        for a in parser._actions
+        if a.type in (int, float)
+        or (a.type is None and a.nargs != 0 and type(a.default) in (int, float) and a.option_strings)
+    ]
+    assert not unchecked, f"{module}: give {unchecked} a ppt.common.Number type (positive_int, nonneg_float, ...)"
+    assert isinstance(parser, ArgumentParser), f"{module}: build the parser with ppt.common.ArgumentParser"
+
+
+@pytest.mark.parametrize("kind", BAD_VALUES)
+@pytest.mark.parametrize("module", [m for m in ENTRY_POINTS if m not in NOT_OURS])
+def test_bad_numbers_stop_with_one_line_naming_the_flag_the_value_and_what_it_takes(module, kind, capsys):
+    parser = parser_of(module)
+    value = BAD_VALUES[kind]
+    wrong = []
+    for flag, check in numeric_flags(parser).items():
+        if accepts(check, kind):
+            parsed = vars(parser.parse_args([f"{flag}={value}"]))[parser._option_string_actions[flag].dest]
+            if parsed != check.kind(float(value)):
+                wrong.append(f"{flag}={value} parsed as {parsed!r}")
+            continue
+        with pytest.raises(SystemExit) as stopped:
+            parser.parse_args([f"{flag}={value}"])
+        err = capsys.readouterr().err
+        if (
+            stopped.value.code != 2
+            or err != f"error: argument {flag}: {value!r} is not {check.accepted} (see --help)\n"
+        ):
+            wrong.append(f"{flag}={value}: exit {stopped.value.code}, {err!r}")
+    assert not wrong, wrong
+
+
+def test_the_sweep_covers_the_flags_the_issue_named():
+    train = numeric_flags(parser_of("scripts.base_train"))
+    assert {"--device-batch-size", "--seq-len", "--total-batch-tokens", "--target-tokens", "--lr"} <= set(train)
+    assert not accepts(train["--lr"], "zero") and not accepts(train["--total-batch-tokens"], "zero")
+    prepare = numeric_flags(parser_of("scripts.prepare_fineweb"))
+    assert {"--shards", "--shard-tokens", "--val-tokens", "--workers", "--vocab-size", "--shuffle-seed"} <= set(prepare)
+    assert {"--batch-size", "--eval-tokens", "--limit"} <= set(numeric_flags(parser_of("scripts.base_eval")))

@@ -85,6 +85,49 @@ def test_write_rejects_tokens_outside_vocab_and_leaves_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_header_records_the_largest_token_id_and_the_loader_refuses_ids_beyond_the_models_vocab(make_token_dir):
+    """Shards whose ids fit their header's vocab (65536) but not the model's (1000): refused when opened, before a
+    single batch, instead of an IndexError in the embedding (on CUDA a device-side assert) mid-run."""
+    tokens = stream_with_docs(400, 10, 1000)
+    tokens[123] = 4321
+    data_dir = make_token_dir({"train": [tokens]}, vocab_size=65536)
+    info, _ = read_shard(data_dir / "train_00000.bin")
+    assert info.max_token_id == 4321
+    with pytest.raises(
+        PPTError, match=r"train_00000\.bin holds token id 4321, but the model's vocabulary has 1000 ids"
+    ):
+        DataLoader(data_dir, "train", 2, 16, vocab_size=1000)
+    assert DataLoader(data_dir, "train", 2, 16, vocab_size=4322).vocab_size == 4322
+
+
+def test_shards_without_the_recorded_largest_id_are_checked_by_a_pass(make_token_dir):
+    """Shards written before the header held the largest id (flag bit 1 unset, field 0) still get checked."""
+    tokens = stream_with_docs(400, 10, 1000)
+    tokens[200] = 2000
+    path = make_token_dir({"train": [tokens]}, vocab_size=65536) / "train_00000.bin"
+    raw = bytearray(path.read_bytes())
+    raw[32:36] = (0).to_bytes(4, "little")  # the flags of an old shard
+    raw[164:168] = bytes(4)
+    path.write_bytes(bytes(raw))
+    assert read_shard(path)[0].max_token_id is None
+    with pytest.raises(PPTError, match="holds token id 2000, but the model's vocabulary has 1000 ids"):
+        DataLoader(path.parent, "train", 2, 16, vocab_size=1000)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_batch_with_an_id_beyond_the_vocab_is_refused_even_if_the_header_says_otherwise(make_token_dir, prefetch):
+    tokens = stream_with_docs(400, 10, 1000)
+    tokens[50] = 3000
+    path = make_token_dir({"train": [tokens]}, vocab_size=65536) / "train_00000.bin"
+    raw = bytearray(path.read_bytes())
+    raw[164:168] = (999).to_bytes(4, "little")  # a header that lies (damage after writing)
+    path.write_bytes(bytes(raw))
+    loader = DataLoader(path.parent, "train", 4, 16, vocab_size=1000, prefetch=prefetch)
+    with pytest.raises(PPTError, match=r"holds token id 3000 \(row 3\), but the model's vocabulary has 1000 ids"):
+        for _ in range(loader.rows_per_rank):  # an epoch: the row with the bad id comes up
+            next(loader)
+
+
 def test_missing_data_dir_names_the_prepare_command(tmp_path):
     with pytest.raises(PPTError, match="does not exist.*scripts.prepare_fineweb"):
         DataLoader(tmp_path / "nowhere", "train", 2, 8)

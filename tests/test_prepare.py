@@ -1,3 +1,5 @@
+import contextlib
+import errno
 import json
 import os
 import random
@@ -219,3 +221,153 @@ def test_fineweb_unreachable_says_how_to_work_offline(tmp_path, tokenizer_path, 
     err = capsys.readouterr().err
     assert "smollm-corpus" in err and "--source demo" in err and "HF_HUB_OFFLINE" in err
     assert not out.exists() or not any(out.iterdir())
+
+
+# ---- a newcomer's own corpus ---------------------------------------------------------------------------------------
+
+
+def write_books(folder, n: int = 12) -> list[str]:
+    """A folder of plain-text "books" (one document each), in subfolders, with a file of another kind beside them."""
+    rng = random.Random(1)
+    books = [" ".join(rng.choices(WORDS, k=rng.randint(400, 900))) for _ in range(n)]
+    for i, book in enumerate(books):
+        path = folder / f"shelf{i % 2}" / f"book{i:02d}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(book)
+    (folder / "README.md").write_text("not a book")
+    return books
+
+
+def test_a_folder_of_text_with_its_own_tokenizer_and_a_val_split_sized_from_it(tmp_path, capsys):
+    """No hub and no --val-tokens: the tokenizer is trained on the folder, the val split is 5% of it, and both are
+    recorded; the folder's files are read in path order and the .md file is left out, with a note."""
+    books = write_books(tmp_path / "books")
+    out = tmp_path / "out"
+    argv = ["--source", str(tmp_path / "books"), "--train-tokenizer", "--vocab-size", "300", "--workers", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "left out 1 files that are not .txt, .jsonl, .parquet (.md)" in printed
+    assert re.search(r"corpus: 12 files, [\d.]+ kB of text, about [\d,]+ tokens .*; val split [\d,]+ tokens", printed)
+    meta = read_meta(out)
+    assert meta["tokenizer"]["name"] == "corpus-bpe-300" and meta["tokenizer"]["vocab_size"] == 300
+    origin = meta["tokenizer"]["origin"]
+    assert origin["kind"] == "trained on this corpus" and origin["vocab_size_asked"] == 300
+    assert "12 documents" in origin["trained_on"] and "val included" in origin["trained_on"]
+    total = meta["val"]["tokens"] + meta["train"]["tokens"]
+    assert 0.03 * total < meta["settings"]["val_tokens"] < 0.07 * total  # about 5%, from the estimate
+    order = sorted((tmp_path / "books").rglob("*.txt"))
+    assert prepared_docs(out) == [p.read_text() for p in order] and sorted(books) == sorted(prepared_docs(out))
+
+
+def test_shuffle_seed_mixes_the_documents_before_the_split_the_same_way_each_time(tmp_path):
+    docs = make_docs(300)
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    common = ["--source", str(corpus), "--train-tokenizer", "--vocab-size", "300", *SIZES, "--workers", "1"]
+    for name, seed in [("a", "7"), ("b", "7"), ("plain", None)]:
+        assert main([*common, "--out", str(tmp_path / name), *(["--shuffle-seed", seed] if seed else [])]) == 0
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
+    shuffled, plain = prepared_docs(tmp_path / "a"), prepared_docs(tmp_path / "plain")
+    assert sorted(shuffled) == sorted(plain) == sorted(d for d in docs if d)
+    val_docs = read_meta(tmp_path / "a")["val"]["docs"]
+    assert shuffled[:val_docs] != plain[:val_docs]
+    assert (
+        read_meta(tmp_path / "a")["settings"]["shuffle_seed"] == 7
+        and "shuffle_seed" not in read_meta(tmp_path / "plain")["settings"]
+    )
+
+
+def test_a_val_split_the_corpus_cannot_hold_is_refused_before_tokenizing(tmp_path, tokenizer_path, capsys, monkeypatch):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
+    monkeypatch.setattr(prepare_fineweb, "encode_in_order", lambda *a: pytest.fail("tokenized the corpus first"))
+    argv = ["--source", str(corpus), "--out", str(tmp_path / "out"), "--val-tokens", "1e7", "--workers", "1"]
+    assert main([*argv, "--tokenizer", str(tokenizer_path)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"error: the corpus is too small for --val-tokens 10,000,000, more than half of it \(1 file, about [\d.]+ kB "
+        r"of text, about [\d,]+ tokens \([\d.]+ bytes per token on its first 1\.0 MB\)\); lower --val-tokens, e\.g\. "
+        r"--val-tokens \d+ \(5%\)\n",
+        err,
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--source", "demo", "--train-tokenizer"], "--train-tokenizer trains on local files; --source demo trains"),
+        (["--train-tokenizer", "--tokenizer", "x.json"], "either --tokenizer .* or --train-tokenizer .*, not both"),
+        (["--vocab-size", "512"], "--vocab-size is the size of a tokenizer prepare trains: add --train-tokenizer"),
+        (["--source", "demo", "--shuffle-seed", "1"], "--shuffle-seed shuffles local files"),
+        (["--source", "demo", "--tokenizer", "x.json"], "--source demo trains its own tokenizer; drop --tokenizer"),
+    ],
+)
+def test_tokenizer_and_shuffle_flags_that_do_not_fit_the_source_are_refused(tmp_path, capsys, argv, message):
+    if "--source" not in argv:
+        argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", make_docs())), *argv]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+# ---- progress, full disk ---------------------------------------------------------------------------------------------
+
+
+def test_progress_lines_when_not_on_a_terminal(tmp_path, tokenizer_path, capsys, monkeypatch):
+    monkeypatch.setattr(prepare_fineweb, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(prepare_fineweb, "DOCS_PER_TASK", 16)
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", make_docs())), "--out", str(tmp_path / "out")]
+    assert main([*argv, *SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing:")]
+    assert len(lines) >= 3
+    pattern = r"tokenizing: \d+ shards written, [\d,]+ of about [\d,]+ tokens, [\d,]+ tokens/s, ETA \d+:\d\d:\d\d"
+    assert all(re.fullmatch(pattern, line) for line in lines), lines
+
+
+class FillsUp:
+    """Files that take `budget` bytes between them, then fail as a full disk does."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+
+    def wrap(self, f):
+        disk = self
+
+        class Limited:
+            def write(self, data: bytes) -> int:
+                if len(data) > disk.budget:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                disk.budget -= len(data)
+                return f.write(data)
+
+            def __getattr__(self, name):
+                return getattr(f, name)
+
+        return Limited()
+
+
+def test_a_full_disk_keeps_the_finished_shards_and_the_rerun_resumes(tmp_path, tokenizer_path, capsys, monkeypatch):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
+    common = ["--source", str(corpus), *SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    whole, full = tmp_path / "whole", tmp_path / "full"
+    assert main([*common, "--out", str(whole)]) == 0
+    real = prepare_fineweb.write_shard.__globals__["atomic_file"]
+    disk = FillsUp(budget=12_000)  # shards and meta.json: the val shard, then about 2 of the 4-kB train shards
+
+    @contextlib.contextmanager
+    def filling(path):
+        with real(path) as f:
+            yield disk.wrap(f)
+
+    with monkeypatch.context() as patched:
+        patched.setitem(prepare_fineweb.write_shard.__globals__, "atomic_file", filling)
+        patched.setitem(prepare_fineweb.write_meta.__globals__, "atomic_file", filling)
+        assert main([*common, "--out", str(full)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"error: could not write .*full/\S+ \(No space left on device\); the finished shards are kept\. Free space "
+        r"\(a shard takes about [\d.]+ kB\) or pass another --out, then re-run the same command to resume\n",
+        err,
+    )
+    assert not list(full.glob(".*.tmp")) and read_meta(full)["train"]["shards"] >= 1
+    assert main([*common, "--out", str(full)]) == 0
+    assert shard_bytes(full) == shard_bytes(whole)

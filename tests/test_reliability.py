@@ -17,16 +17,19 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from ppt import checkpoint as ckpt
+from ppt import common
 from ppt.common import PPTError
 from ppt.data import read_shard, write_shard
 from ppt.model import build_model, get_config
@@ -159,6 +162,41 @@ def test_sigkill_at_a_random_step_then_resume_reproduces_the_uninterrupted_run(
     assert not list(out.glob("*.tmp*"))  # the first save after the restart removed the killed write's leftovers
 
 
+def test_a_second_run_on_the_same_directory_stops_naming_the_first_and_sigterm_releases_it(demo_data_dir, tmp_path):
+    """Two runs at once with one output directory: the second stops before it reads or writes anything there, naming
+    the first run's pid; the first, stopped by SIGTERM, saves and removes its lock on the way out."""
+    out = tmp_path / "checkpoints"
+    argv = train_argv(demo_data_dir, out, "first", "--target-tokens", str(10**6 * BATCH_TOKENS), "--save-every", "0")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.base_train", *argv],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    log = []
+    for line in proc.stdout:  # the first run is training
+        log.append(line)
+        if line.startswith("step "):
+            break
+    assert (out / common.LOCK_NAME).is_file(), "".join(log)
+    with pytest.raises(PPTError) as second:
+        train(train_argv(demo_data_dir, out, "second"))
+    assert re.search(
+        rf"checkpoints is in use by another run: pid {proc.pid} on \S+, started .*scripts/base_train", str(second.value)
+    )
+    proc.send_signal(signal.SIGTERM)
+    log.append(proc.stdout.read())
+    proc.wait()
+    watchdog.cancel()
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(log)
+    assert not (out / common.LOCK_NAME).exists() and ckpt.latest_checkpoint(out) is not None
+    assert not list(out.glob("second*")) and manifest(out, "first")["stopped_at"] >= 1
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "max-steps"])
 def test_signals_and_max_steps_save_then_resume_reproduces_the_uninterrupted_run(
     stop, reference, demo_data_dir, tmp_path, capsys
@@ -246,30 +284,47 @@ def test_skip_nonfinite_skips_a_bad_step_and_counts_it_across_a_resume(demo_data
 # ---- 5: disk full, unwritable output ------------------------------------------------------------------------------
 
 
-def test_a_failing_checkpoint_write_keeps_the_previous_checkpoint(demo_data_dir, tmp_path, monkeypatch):
+class FillsUp:
+    """A file that takes `budget` bytes, then fails the way a full disk does (OSError ENOSPC)."""
+
+    def __init__(self, f, budget: int) -> None:
+        self.f, self.budget = f, budget
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self.budget:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.budget -= len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def test_a_checkpoint_write_that_fills_the_disk_keeps_the_previous_checkpoint(demo_data_dir, tmp_path, monkeypatch):
+    """The real torch.save meets a full disk part way through the second checkpoint: its zip writer then raises a
+    RuntimeError ("unexpected pos"), as on a full tmpfs. One error line; the first checkpoint stays, unpruned."""
     out = tmp_path / "checkpoints"
     save = torch.save
     calls = []
 
     def disk_full_on_the_second_save(obj, f, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
-            f.write(b"\0" * 4096)  # part of it reached the disk
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        save(obj, f, *args, **kwargs)
+        save(obj, FillsUp(f, 4096) if len(calls) == 2 else f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", disk_full_on_the_second_save)
     with pytest.raises(PPTError, match=r"could not write checkpoint .*step_00000008\.pt \(No space left on device\); "):
         train(train_argv(demo_data_dir, out, "diskfull", "--keep", "1"))
     assert sorted(p.name for p in out.glob("step_*")) == ["step_00000004.pt"]  # not pruned, no temp file left
     assert ckpt.load_checkpoint(ckpt.latest_checkpoint(out))["step"] == SAVE_EVERY
+    assert not list(out.glob(".*.tmp"))
 
 
 def test_too_little_free_space_fails_before_training(demo_data_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "checkpoints"
     almost_full = types.SimpleNamespace(total=10**9, used=10**9 - 10**6, free=10**6)
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: almost_full)
-    with pytest.raises(PPTError, match=r"only 0\.00 GB free under .* a checkpoint needs about 0\.01 GB"):
+    message = r"only 1\.0 MB free under .*; a checkpoint takes about 10\.\d MB, and two \(2\d\.\d MB\) must fit"
+    with pytest.raises(PPTError, match=message):
         train(train_argv(demo_data_dir, out, "nospace"))
     assert "step " not in capsys.readouterr().out and not list(out.glob("step_*"))
 
@@ -292,7 +347,7 @@ def test_pickled_code_in_a_checkpoint_or_shard_is_refused_and_never_run(tmp_path
     torch.save(
         {"model": {}, "config": {"class": "LlamaConfig"}, "step": 1, "x": MakesDirectoryWhenUnpickled(marker)}, evil
     )
-    with pytest.raises(PPTError, match="unreadable or incomplete"):
+    with pytest.raises(PPTError, match="holds Python objects other than tensors.*refused, because loading them could"):
         ckpt.load_checkpoint(evil)
     assert ckpt.latest_checkpoint(evil.parent) is None  # --resume auto skips it too
     shard = tmp_path / "data" / "train_00000.bin"
@@ -314,7 +369,7 @@ def test_wandb_stays_off_without_run(reference):
 # (its `__main__` block, via runpy), recording the exit status and stderr. Forking from one warm interpreter keeps
 # a case at a fraction of a second instead of a fresh torch import each.
 DRIVER = r"""
-import importlib, json, os, pkgutil, runpy, socket, sys, traceback
+import importlib, json, os, pkgutil, runpy, socket, sys, tempfile, traceback
 
 network_attempts = []
 
@@ -330,14 +385,21 @@ socket.getaddrinfo = socket.gethostbyname = socket.create_connection = blocked
 
 import ppt, scripts
 
+# scripts.lm_eval registers a model with lm-eval when imported, which may happen once per process: imported here
+# after the cases, one of which runs it as __main__
+LATE = {"scripts.lm_eval"}
+names = [info.name for pkg in (ppt, scripts) for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
 modules, failed = [], {}
-for package in (ppt, scripts):
-    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+
+def import_all(names):
+    for name in names:
         try:
-            importlib.import_module(info.name)
-            modules.append(info.name)
+            importlib.import_module(name)
+            modules.append(name)
         except Exception:
-            failed[info.name] = traceback.format_exc()
+            failed[name] = traceback.format_exc()
+
+import_all(name for name in names if name not in LATE)
 results = {"imports": {"modules": modules, "failed": failed, "network_attempts": network_attempts}, "cases": {}}
 
 import torch
@@ -346,17 +408,25 @@ from ppt.model import build_model, get_config
 with torch.device("meta"):  # pays torch's lazy imports (seconds) once here instead of in every child
     build_model(get_config("tiny"))
 
+def files_under(folder):
+    return {os.path.relpath(os.path.join(d, f), folder) for d, _, names in os.walk(folder) for f in names}
+
 cases_file, results_file, work = sys.argv[1:]
+logs = os.path.join(work, "logs")
+os.makedirs(logs)
 for case in json.loads(open(cases_file).read()):
-    err_path = os.path.join(work, case["id"] + ".stderr")
+    err_path, out_path = (os.path.join(logs, case["id"] + suffix) for suffix in (".stderr", ".stdout"))
+    before = files_under(work)
     sys.stdout.flush(), sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             os.environ.update(case["env"])
-            with open(err_path, "w") as err, open(os.devnull, "w") as null:
-                os.dup2(err.fileno(), 2), os.dup2(null.fileno(), 1)
+            tempfile.tempdir = None  # so that a case's TMPDIR counts
+            os.chdir(case.get("cwd", os.getcwd()))
+            with open(err_path, "w") as err, open(out_path, "w") as out:
+                os.dup2(err.fileno(), 2), os.dup2(out.fileno(), 1)
             sys.modules.pop(case["module"], None)  # runpy re-executes it as __main__
             sys.argv = [case["module"], *case["args"]]
             try:
@@ -372,7 +442,13 @@ for case in json.loads(open(cases_file).read()):
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    results["cases"][case["id"]] = {"rc": os.waitstatus_to_exitcode(status), "stderr": open(err_path).read()}
+    results["cases"][case["id"]] = {
+        "rc": os.waitstatus_to_exitcode(status),
+        "stderr": open(err_path).read(),
+        "stdout": open(out_path).read(),
+        "new_files": sorted(files_under(work) - before - {os.path.relpath(p, work) for p in (err_path, out_path)}),
+    }
+import_all(name for name in names if name in LATE)
 json.dump(results, open(results_file, "w"))
 """
 
@@ -391,6 +467,22 @@ BAD_INPUT = [
                  r"table\.csv: unsupported file type; use \.txt, \.jsonl, \.parquet", id="prepare-unsupported-type"),
     pytest.param("prepare_fineweb", ["--source", "demo", "{work}/empty.txt", *PREPARE], {},
                  r"fineweb, demo, or local files, not a mix", id="prepare-mixed-sources"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", *PREPARE, "--out", "{work}/a_file/data"], {},
+                 r"cannot write into .*a_file/data \(Not a directory\); pass another --out",
+                 id="prepare-out-under-a-file"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", *PREPARE, "--out", "{work}/a_file"], {},
+                 r"--out .*a_file is a file; pass a directory", id="prepare-out-is-a-file"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", *PREPARE, "--out", "{work}/busy"], {},
+                 r"busy is in use by another run: pid \d+ on .*; wait for it, or pass another --out",
+                 id="prepare-out-in-use"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", *PREPARE, "--val-tokens", "1e7"], {},
+                 r"the corpus is too small for --val-tokens 10,000,000, more than half of it \(1 file, about .* tokens "
+                 r".*\); lower --val-tokens, e\.g\. --val-tokens \d+ \(5%\)", id="prepare-val-split-too-big"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", *PREPARE, "--shards", "0"], {},
+                 r"argument --shards: '0' is not an integer >= 1 \(see --help\)", id="prepare-zero-shards"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", "--train-tokenizer", "--vocab-size", "100"], {},
+                 r"argument --vocab-size: '100' is not an integer >= 258 and <= 4294967295",
+                 id="prepare-vocab-too-small"),
     # scripts.base_train
     pytest.param("base_train", [*TRAIN, "--config", "nope"], {},
                  r"unknown config 'nope'; valid names: .*tiny", id="train-unknown-config"),
@@ -418,9 +510,48 @@ BAD_INPUT = [
                  r"output directory .*a_file/out is not writable .*pass --out-dir", id="train-unwritable-out-dir"),
     pytest.param("base_train", TRAIN, {"PPT_DTYPE": "fp8"},
                  r"PPT_DTYPE='fp8' is not a dtype; use one of bf16, fp16, fp32", id="train-bad-ppt-dtype"),
+    pytest.param("base_train", [*TRAIN, "--device-batch-size", "0"], {},
+                 r"argument --device-batch-size: '0' is not an integer >= 1 \(see --help\)$",
+                 id="train-zero-device-batch"),
+    pytest.param("base_train", [*TRAIN, "--seq-len", "0"], {},
+                 r"argument --seq-len: '0' is not an integer >= 1", id="train-zero-seq-len"),
+    pytest.param("base_train", [*TRAIN, "--total-batch-tokens", "0"], {},
+                 r"argument --total-batch-tokens: '0' is not a whole number >= 1 and <= 1e15",
+                 id="train-zero-batch-tokens"),
+    pytest.param("base_train", [*TRAIN, "--target-tokens", "-5"], {},
+                 r"argument --target-tokens: '-5' is not a whole number >= 1", id="train-negative-target"),
+    pytest.param("base_train", [*TRAIN, "--target-tokens", "10"], {},
+                 r"--target-tokens 10 is less than one step of 64 tokens \(--total-batch-tokens\); raise",
+                 id="train-target-below-one-step"),
+    pytest.param("base_train", [*TRAIN, "--lr=-1e-3"], {},
+                 r"argument --lr: '-1e-3' is not a finite number > 0", id="train-negative-lr"),
+    pytest.param("base_train", [*TRAIN, "--lr", "nan"], {},
+                 r"argument --lr: 'nan' is not a finite number > 0", id="train-nan-lr"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/big_ids"], {},
+                 r"train_00000\.bin holds token id 600, but the model's vocabulary has 512 ids \(0 to 511\); the "
+                 r"shard was made by another tokenizer or is damaged", id="train-token-id-outside-vocab"),
+    pytest.param("base_train", [*TRAIN, "--out-dir", "{work}/busy"], {},
+                 r"busy is in use by another run: pid \d+ on .*\(`base_train --tag busy`\); wait for it, or give "
+                 r"this run another --tag or --out-dir$", id="train-out-dir-in-use"),
+    pytest.param("base_train", [*TRAIN, "--tag", "busy-tag"], {},
+                 r"the run name 'busy-tag' is in use by another run: pid \d+ .*; wait for it, or give this run "
+                 r"another --tag$", id="train-tag-in-use"),
     # scripts.base_eval
     pytest.param("base_eval", ["--model-tag", "never-trained", "--skip-tasks"], {},
-                 r"no checkpoint for tag 'never-trained'.*train it or pass --checkpoint", id="eval-unknown-tag"),
+                 r"no checkpoint for tag 'never-trained' in .*; runs under .*checkpoints: some-run; train it or pass "
+                 r"--checkpoint", id="eval-unknown-tag"),
+    pytest.param("base_eval", ["--checkpoint", "{work}/tiny/step_00000001.pt", "--skip-tasks", "--device", "cpu"], {},
+                 r"the run manifest of .*step_00000001\.pt is missing, so the data it was trained on is unknown; "
+                 r"pass --data-dir", id="eval-no-manifest"),
+    pytest.param("base_eval", ["--checkpoint", "{work}/a_file", "--skip-tasks"], {},
+                 r"a_file is not a checkpoint \(not a PyTorch archive\); pass a step_\*\.pt file of base_train$",
+                 id="eval-not-a-checkpoint"),
+    pytest.param("base_eval", ["--checkpoint", "{work}/tiny/step_00000001.pt", "--data-dir", "{work}/big_ids",
+                               "--skip-tasks", "--device", "cpu"], {},
+                 r"val_00000\.bin holds token id 600, but the model's vocabulary has 512 ids",
+                 id="eval-token-id-outside-vocab"),
+    pytest.param("base_eval", ["--model-tag", "x", "--batch-size", "0"], {},
+                 r"argument --batch-size: '0' is not an integer >= 1", id="eval-zero-batch-size"),
     pytest.param("base_eval", ["--checkpoint", "{work}/absent.pt", "--skip-tasks"], {},
                  r"checkpoint .*absent\.pt does not exist", id="eval-missing-checkpoint"),
     pytest.param("base_eval", ["--checkpoint", "{work}/tiny/step_00000001.pt", "--data-dir", "{data}",
@@ -437,7 +568,8 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     (work / "latin1.txt").write_bytes("café".encode("latin-1"))
     (work / "table.csv").write_text("text\nhello\n")
     (work / "a_file").write_text("not a directory")
-    for name in ("bad_magic", "truncated", "other_tokenizer"):
+    (work / "story.txt").write_text("Once upon a time there was a tokenizer. " * 20)
+    for name in ("bad_magic", "truncated", "other_tokenizer", "big_ids"):
         copy = work / name
         copy.mkdir()
         for source in [data / "meta.json", data / "tokenizer.json", *data.glob("*_00000.bin")]:
@@ -448,6 +580,19 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     info, tokens = read_shard(shard)
     write_shard(work / "other_tokenizer" / shard.name, tokens, vocab_size=info.vocab_size, eot_id=info.eot_id,
                 fingerprint="cd" * 32, demo=False, tokenizer_name="other-bpe")  # fmt: skip
+    for split in ("train", "val"):  # ids that fit the header's vocab (65536) but not the tokenizer's (512)
+        info, tokens = read_shard(data / f"{split}_00000.bin")
+        tokens = np.array(tokens)
+        tokens[7] = 600
+        write_shard(work / "big_ids" / f"{split}_00000.bin", tokens, vocab_size=65536, eot_id=info.eot_id,
+                    fingerprint=info.tokenizer_fingerprint, demo=True, tokenizer_name=info.tokenizer_name)  # fmt: skip
+    # runs held by a live process (this one), and a checkpoint dir left empty beside a real run
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": "now",
+             "argv": ["base_train", "--tag", "busy"], "process_start": common._process_start(os.getpid())}  # fmt: skip
+    for lock_file in (work / "busy" / common.LOCK_NAME, work / "cache" / "reports" / ".busy-tag.lock"):
+        lock_file.parent.mkdir(parents=True)
+        lock_file.write_text(json.dumps(owner))
+    (work / "cache" / "checkpoints" / "leftover").mkdir(parents=True)
 
     meta = json.loads((data / "meta.json").read_text())["tokenizer"]
     config = dataclasses.replace(get_config("tiny"), vocab_size=meta["vocab_size"])
@@ -459,6 +604,26 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     model.init_weights()
     payload = {"model": model.state_dict(), "config": {"class": type(config).__name__, **dataclasses.asdict(config)}}
     ckpt.save_checkpoint(work / "tiny", 1, {**payload, "tokenizer_fingerprint": meta["fingerprint"]})
+    ckpt.save_checkpoint(work / "cache" / "checkpoints" / "some-run", 1, payload)
+
+
+def entry_points(suffix: str) -> list[str]:
+    """What users start: every scripts/*.sh, and every scripts/*.py with a __main__ block (found, so that a new
+    script is covered without a test edit)."""
+    paths = sorted((REPO_ROOT / "scripts").glob(f"*{suffix}"))
+    return [p.name for p in paths if suffix == ".sh" or 'if __name__ == "__main__":' in p.read_text()]
+
+
+def help_case(script: str, work: Path) -> dict:
+    """`python -m scripts.X --help` with its own empty cache, home, temp and working directories, to see whether it
+    writes anything anywhere."""
+    home = work / "help" / script
+    places = {name: home / name for name in ("cache", "home", "tmp", "cwd")}
+    for place in places.values():
+        place.mkdir(parents=True)
+    env = {"PPT_CACHE": str(places["cache"]), "HOME": str(places["home"]), "TMPDIR": str(places["tmp"])}
+    module = f"scripts.{script.removesuffix('.py')}"
+    return {"id": f"help-{script}", "module": module, "args": ["--help"], "env": env, "cwd": str(places["cwd"])}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -471,6 +636,7 @@ def driver(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         {"id": p.id, "module": f"scripts.{p.values[0]}", "args": [fill(a) for a in p.values[1]], "env": p.values[2]}
         for p in BAD_INPUT
     ]
+    cases += [help_case(script, work) for script in entry_points(".py")]
     (work / "cases.json").write_text(json.dumps(cases))
     (work / "driver.py").write_text(DRIVER)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}
@@ -513,3 +679,38 @@ def test_bad_input_prints_one_error_line_and_exits_2(script, args, env, message,
     assert lines and lines[-1].startswith("error: "), result["stderr"]
     assert re.search(message, lines[-1]), result["stderr"]
     assert "Traceback" not in result["stderr"]
+    assert result["new_files"] == [], "left behind"  # nothing written, nothing half-made
+
+
+@pytest.mark.parametrize("script", entry_points(".py"))
+def test_every_python_entry_point_answers_help_and_does_nothing_else(script, driver):
+    result = driver()["cases"][f"help-{script}"]
+    assert result["rc"] == 0, result["stderr"]
+    assert "usage:" in result["stdout"], result["stdout"]
+    assert result["new_files"] == []  # nothing in its cache, home, temp or working directory
+
+
+@pytest.mark.parametrize("script", entry_points(".sh"))
+def test_every_shell_entry_point_answers_help_and_does_nothing_else(script, tmp_path):
+    """Before anything else: no environment sync, no install (uv, pip and python are stubs that would leave a
+    mark), nothing prepared, trained or written."""
+    stubs, marks = tmp_path / "bin", tmp_path / "marks"
+    stubs.mkdir(), marks.mkdir()
+    for tool in ("uv", "pip", "python", "python3", "torchrun", "nvidia-smi"):
+        (stubs / tool).write_text(f'#!/bin/sh\ntouch "{marks}/{tool}"\n')
+        (stubs / tool).chmod(0o755)
+    places = {name: tmp_path / name for name in ("cache", "home", "tmp")}
+    for place in places.values():
+        place.mkdir()
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "PPT_CACHE": str(places["cache"]), "HOME": str(places["home"])}
+    out = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / script), "--help"],
+        env={**env, "TMPDIR": str(places["tmp"])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) >= 2, out.stdout  # its usage
+    assert not list(marks.iterdir()), "ran " + ", ".join(p.name for p in marks.iterdir())
+    assert not [p for place in places.values() for p in place.rglob("*")]
