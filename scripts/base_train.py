@@ -7,6 +7,7 @@ torchrun --nproc_per_node=8 -m scripts.base_train --config smollm-360m --target-
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import gc
 import json
@@ -316,7 +317,7 @@ def train(args: argparse.Namespace) -> None:
             expected_fingerprint=tokenizer.fingerprint,
         )
         result = evaluate_bpb(compiled_model, val_loader.val_batches(int(args.eval_tokens)), token_bytes, rt.dtype)
-        gc.freeze()  # the first call compiled the evaluation graphs: out of the collector's scans too
+        freeze_gc()  # the first call compiled the evaluation graphs: out of the collector's scans too
         print0(
             f"step {step:6d} | val nll {result['nll']:.4f} | val bpb {result['bpb']:.4f} ({result['tokens']} tokens)"
         )
@@ -361,7 +362,7 @@ def train(args: argparse.Namespace) -> None:
             # What torch.compile built in this first step lives all run. Freezing takes it out of the garbage
             # collector's full scans, which otherwise pause the host whenever they run (260 ms with a compiled
             # 32-layer model alive, on a 2-core CPU): under DDP one rank's pause holds up every rank.
-            gc.freeze()
+            freeze_gc()
         if not finite:
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
@@ -453,6 +454,15 @@ def train(args: argparse.Namespace) -> None:
     if wandb_run:
         wandb_run.finish()
     shutdown_runtime()
+
+
+def freeze_gc() -> None:
+    """gc.freeze(), undone at exit. Frozen objects are never collected, not even when the interpreter shuts down,
+    so without the unfreeze libtriton's nanobind finds its objects still alive at exit and prints ~80 lines of
+    "nanobind: leaked ..." (they are not leaks: the collector was told to skip them)."""
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often a process (a test session) calls main
+    atexit.register(gc.unfreeze)
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:
