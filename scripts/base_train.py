@@ -36,7 +36,7 @@ from ppt.common import (
 )
 from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
 from ppt.flops import mfu_flops_per_token, peak_flops
-from ppt.loss_eval import autocast, evaluate_bpb
+from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
 from ppt.model import CONFIGS, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
@@ -71,7 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tag", help="checkpoint/report name (default: the config name or d<depth>)")
     g.add_argument("--out-dir", type=Path, help="checkpoint dir (default <cache>/checkpoints/<tag>)")
     g.add_argument("--eval-every", type=int, default=250, help="steps between val bpb (0: only at the end)")
-    g.add_argument("--eval-tokens", type=float, default=10_485_760, help="val tokens per evaluation")
+    g.add_argument(
+        "--eval-tokens",
+        type=float,
+        default=DEFAULT_EVAL_TOKENS,
+        help=f"val tokens per evaluation (default {DEFAULT_EVAL_TOKENS:,}; base_eval scores as many)",
+    )
     g.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (0: only at the end)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0 keeps all)")
     g.add_argument("--resume", help="'auto' (latest complete checkpoint in --out-dir, if any) or a checkpoint path")
@@ -247,6 +252,7 @@ def train(args: argparse.Namespace) -> None:
             "compile": use_compile,
             "compile_mode": args.compile_mode if use_compile else None,
             "loader_prefetch": args.loader_prefetch,
+            "eval_tokens": int(args.eval_tokens),  # base_eval scores as many by default
         },
         params=n_params,
         flops_per_token=flops,

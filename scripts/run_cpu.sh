@@ -37,4 +37,4 @@ run -m scripts.base_train --config "$config" --data-dir "$cache/data/demo" --tag
     --save-every 50 --log-every 5 ${args[@]+"${args[@]}"}
 
 echo "== 3/3 evaluate =="
-run -m scripts.base_eval --model-tag "$tag" --data-dir "$cache/data/demo" --eval-tokens 32768 --demo-task
+run -m scripts.base_eval --model-tag "$tag" --data-dir "$cache/data/demo" --demo-task

@@ -201,6 +201,7 @@ def test_two_ranks_match_one_rank_with_gradient_accumulation(runs):
     one, two = manifest(runs["one"] / "one.json"), manifest(runs["whole"] / "whole.json")
     assert (one["train"]["world_size"], one["train"]["grad_accum"]) == (1, 2)
     assert (two["train"]["world_size"], two["train"]["grad_accum"]) == (2, 2)
+    assert one["train"]["eval_tokens"] == two["train"]["eval_tokens"] == 1024  # the budget base_eval then uses
     one_losses, two_losses = losses(one["history"]), losses(two["history"])
     assert len(one_losses) == len(two_losses) == STEPS
     assert two_losses[-1] < two_losses[0] - 0.5, "the model learns, so later steps test the optimizer update too"

@@ -361,6 +361,22 @@ def test_base_eval_demo_task_prints_the_table_and_updates_both_manifests(trained
         assert f"{expected['bpb']:.4f}" in shown
 
 
+def test_base_eval_scores_as_many_tokens_as_the_training_run_and_says_so(trained_run, offline_private_cache, capsys):
+    from scripts import base_eval
+
+    path, _, _, _ = trained_run
+    manifest = json.loads((path.parent / "tiny-run.json").read_text())
+    manifest["train"]["eval_tokens"] = 320  # what base_train records: its --eval-tokens
+    for target in (offline_private_cache / "reports" / "tiny-run.json", path.parent / "tiny-run.json"):
+        target.write_text(json.dumps(manifest))
+    base_eval.main(["--model-tag", "tiny-run", "--skip-tasks", "--batch-size", "4", "--device", "cpu"])
+    shown = capsys.readouterr().out
+    assert "up to 320 val tokens (the training run's --eval-tokens, from its manifest)" in shown
+    evaluation = json.loads((path.parent / "tiny-run.json").read_text())["eval"]
+    assert evaluation["eval_tokens"] == 320 and evaluation["val"]["tokens"] == 320
+    assert f"| val bits per byte ↓ (320 tokens) | {evaluation['val']['bpb']:.4f} |" in shown
+
+
 def test_base_eval_rejects_bad_checkpoints_and_tokenizers(trained_run, tmp_path, demo_data_dir):
     from ppt import checkpoint as ckpt
     from scripts import base_eval
