@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ppt.common import PPTError, run_cli
 from ppt.data import DataLoader, shard_path, write_shard
@@ -35,8 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-dir", type=Path, required=True, help="a Hugging Face Llama folder (config.json + safetensors)")
     p.add_argument("--device", default="cpu", help="where both models run, in fp32 (default cpu)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per row (default 2048)")
-    p.add_argument("--batch-size", type=int, default=4, help="rows per forward; the first batch's logits are compared")
-    p.add_argument("--eval-tokens", type=float, default=2**17, help="text tokens to score (default 131,072)")
+    p.add_argument("--batch-size", type=int, default=2, help="rows per forward; the first batch's logits are compared")
+    p.add_argument("--eval-tokens", type=float, default=2**15, help="text tokens to score (default 32,768)")
     p.add_argument("--atol", type=float, default=1e-3, help="largest |logit difference| accepted (default 1e-3)")
     p.add_argument("--max-bpb", type=float, default=2.0, help="bits per byte a trained model stays below (default 2)")
     return p.parse_args(argv)
@@ -87,7 +88,9 @@ def main(argv: list[str] | None = None) -> None:
             f"(largest |logit| {largest:.1f}; {time.perf_counter() - started:.0f} s)"
         )
         started = time.perf_counter()
-        bpb = evaluate_bpb(model, loader.val_batches(int(args.eval_tokens)), tokenizer.token_bytes().to(device))
+        budget = int(args.eval_tokens)
+        batches = tqdm(loader.val_batches(budget), total=-(-budget // (args.seq_len * args.batch_size)), desc="bpb")
+        bpb = evaluate_bpb(model, batches, tokenizer.token_bytes().to(device))
     print(
         f"bits per byte {bpb['bpb']:.4f}, NLL {bpb['nll']:.4f} nats/token over {bpb['tokens']:,} tokens "
         f"({bpb['bytes']:,} bytes) of the {len(pydoc_data.topics.topics)} help() topics "

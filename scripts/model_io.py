@@ -144,19 +144,20 @@ def load_tokenizer_for(run: LoadedRun, data_dir: str | Path | None = None) -> tu
     tokenizer.json; else the default data dir), checked against the fingerprint the model was trained with."""
     recorded = run.manifest().get("data", {}).get("dir")
     if run.hf_dir and not (data_dir or recorded):
-        tokenizer = hf_tokenizer(run.hf_dir)
+        tokenizer, directory = hf_tokenizer(run.hf_dir), run.hf_dir
         if tokenizer is None:
             raise PPTError(f"{run.hf_dir} holds no tokenizer.json; pass data_dir=DIR of data prepared for the model")
-        return tokenizer, run.hf_dir
-    directory = Path(data_dir or recorded or default_data_dir()).expanduser()
-    tokenizer = load_data_tokenizer(directory)
-    expected = run.state.get("tokenizer_fingerprint")
-    actual = encoding_fingerprint(tokenizer) if run.hf_dir else tokenizer.fingerprint
-    if expected and expected != actual:
-        raise PPTError(
-            f"{run.path} {'comes' if run.hf_dir else 'was trained'} with tokenizer {expected[:16]}, but {directory} "
-            f"holds {tokenizer.name} ({actual[:16]}); pass --data-dir with data prepared by the model's tokenizer"
-        )
+    else:
+        directory = Path(data_dir or recorded or default_data_dir()).expanduser()
+        tokenizer = load_data_tokenizer(directory)
+        expected = run.state.get("tokenizer_fingerprint")
+        actual = encoding_fingerprint(tokenizer) if run.hf_dir else tokenizer.fingerprint
+        if expected and expected != actual:
+            raise PPTError(
+                f"{run.path} {'comes' if run.hf_dir else 'was trained'} with tokenizer {expected[:16]}, but "
+                f"{directory} holds {tokenizer.name} ({actual[:16]}); pass --data-dir with data prepared by the "
+                "model's tokenizer"
+            )
     if tokenizer.vocab_size > run.config["vocab_size"]:
         raise PPTError(
             f"{directory}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
