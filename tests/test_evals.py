@@ -347,7 +347,7 @@ def test_base_eval_demo_task_prints_the_table_and_updates_both_manifests(trained
         ["--model-tag", "tiny-run", "--eval-tokens", "1024", "--batch-size", "4", "--demo-task", "--device", "cpu"]
     )
     shown = capsys.readouterr().out
-    assert "| val bits per byte ↓ |" in shown and "demo continuation" in shown
+    assert "| val bits per byte ↓ (1,024 tokens) |" in shown and "demo continuation" in shown
     data_dir = json.loads((path.parent / "tiny-run.json").read_text())["data"]["dir"]
     expected = evaluate_bpb(model, DataLoader(data_dir, "val", 4, 32).val_batches(1024), tokenizer.token_bytes())
     for manifest in (offline_private_cache / "reports" / "tiny-run.json", path.parent / "tiny-run.json"):
