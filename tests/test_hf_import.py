@@ -162,3 +162,16 @@ def test_a_folder_needs_data_made_by_its_tokenizer(hf_folder, demo_data_dir, tmp
     train_demo_tokenizer(["another corpus, another tokenizer"] * 20, vocab_size=300).save(other)
     with pytest.raises(PPTError, match="comes with tokenizer .*data prepared by the model's tokenizer"):
         load_tokenizer_for(load_run(hf_dir=other), demo_data_dir)
+
+
+def test_check_hf_import_compares_logits_and_scores_the_help_topics(hf_folder, capsys):
+    from scripts import check_hf_import
+
+    directory, _ = hf_folder
+    argv = ["--hf-dir", str(directory), "--seq-len", "48", "--eval-tokens", "480"]
+    check_hf_import.main([*argv, "--max-bpb", "100"])  # a random model: only the logits are expected to agree
+    shown = capsys.readouterr().out
+    assert "logits of 2 rows x 48 tokens: max |ppt - transformers| =" in shown and "over 480 tokens" in shown
+    assert "check passed" in shown
+    with pytest.raises(PPTError, match="check failed: bpb .* is not below --max-bpb 0.5"):
+        check_hf_import.main([*argv, "--max-bpb", "0.5"])
