@@ -23,6 +23,9 @@ from torch import Tensor, nn
 
 from ppt.common import PPTError
 
+# Val tokens scored by default, at the end of training and by base_eval alike: the same budget, the same bpb.
+DEFAULT_EVAL_TOKENS = 10 * 2**20
+
 
 def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
     """Mixed precision for matmuls when the compute dtype is lower than fp32; a no-op otherwise."""

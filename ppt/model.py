@@ -4,12 +4,15 @@ Two architectures live here, each a config dataclass plus an nn.Module that hono
 - `Llama`: the vanilla SmolLM decoder (pre-norm, GQA attention with RoPE, SwiGLU MLP, RMSNorm, tied embedding).
 - `MultiscreenLM`: screening attention with learned windows, no FFN, a normalized tied embedding.
 `build_model(config)` picks the class from the config type; `get_config(name, depth)` resolves a name or a depth.
+`Llama.hf_mapping()` and `config_from_hf(config_json)` say how the vanilla model corresponds to transformers'
+LlamaForCausalLM, for export to and import from Hugging Face folders (optional: Multiscreen has neither).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -154,6 +157,42 @@ class Llama(nn.Module):
 
     def param_roles(self) -> dict[str, str]:
         return roles_by_shape(self, embedding="embed.weight")
+
+    def hf_mapping(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """This model as transformers' LlamaForCausalLM: (its config.json's architecture fields, {ppt weight name:
+        Hugging Face weight name}). Both rotate the two halves of each head (not interleaved pairs), so q and k need
+        no permutation; the head is tied to the embedding, so Hugging Face stores no lm_head. `config_from_hf` is
+        the inverse of the config part."""
+        c = self.config
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.d_model,
+            "intermediate_size": c.d_ff,
+            "num_hidden_layers": c.n_layer,
+            "num_attention_heads": c.n_head,
+            "num_key_value_heads": c.n_kv_head,
+            "head_dim": c.head_dim,
+            "max_position_embeddings": c.max_seq_len,
+            "rms_norm_eps": c.rms_eps,
+            "rope_theta": c.rope_theta,  # how transformers 4.x reads it, and 5.x:
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": True,
+        }
+        names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+        for i in range(c.n_layer):
+            ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+            names[f"{ours}.attn_norm.weight"] = f"{theirs}.input_layernorm.weight"
+            names[f"{ours}.mlp_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                names[f"{ours}.attn.{proj}.weight"] = f"{theirs}.self_attn.{proj}.weight"
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names[f"{ours}.mlp.{proj}.weight"] = f"{theirs}.mlp.{proj}.weight"
+        return config, names
 
     def forward(
         self,
@@ -386,6 +425,54 @@ def get_config(name: str | None = None, depth: int | None = None) -> LlamaConfig
     if name not in CONFIGS:
         raise PPTError(f"unknown config {name!r}; valid names: {', '.join(CONFIGS)}")
     return replace(CONFIGS[name])  # a copy: callers may edit it without touching CONFIGS
+
+
+def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face LlamaForCausalLM config.json (missing fields take transformers' defaults).
+
+    Refuses, by name, whatever this file's Llama would compute differently: biases, another activation, rope scaling,
+    an untied head, a head size other than hidden_size / num_attention_heads.
+    """
+    if hf.get("model_type") != "llama":
+        raise PPTError(
+            f"config.json has model_type {hf.get('model_type')!r}; ppt/model.py imports only Hugging Face Llama models "
+            "(model_type 'llama', e.g. SmolLM/SmolLM2): add a config_from_hf branch for another architecture"
+        )
+    try:
+        d_model, n_head, n_layer = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+        d_ff, vocab_size = hf["intermediate_size"], hf["vocab_size"]
+    except KeyError as exc:
+        raise PPTError(f"config.json lacks {exc.args[0]!r}, which every LlamaForCausalLM config has") from exc
+    rope = hf.get("rope_parameters") or {}  # transformers 5.x; 4.x has rope_theta and rope_scaling at the top
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    head_dim, their_head_dim = d_model // n_head, hf.get("head_dim") or d_model // n_head
+    unsupported = {
+        "attention biases (attention_bias)": hf.get("attention_bias", False),
+        "MLP biases (mlp_bias)": hf.get("mlp_bias", False),
+        f"activation {hf.get('hidden_act')!r} (ppt's SwiGLU uses silu)": hf.get("hidden_act", "silu") != "silu",
+        "an untied output head (tie_word_embeddings false)": not hf.get("tie_word_embeddings", False),
+        f"rope scaling {rope_type!r} (ppt's rope is the default one)": rope_type != "default",
+        f"head_dim {their_head_dim} (ppt's is hidden_size / num_attention_heads = {head_dim})": their_head_dim
+        != head_dim,
+    }
+    found = [what for what, present in unsupported.items() if present]
+    if found:
+        raise PPTError(
+            f"this Llama has {'; '.join(found)}, which ppt/model.py's Llama does not compute; "
+            "import a model without it, or extend Llama and config_from_hf"
+        )
+    return LlamaConfig(
+        n_layer=n_layer,
+        n_head=n_head,
+        n_kv_head=hf.get("num_key_value_heads") or n_head,
+        d_model=d_model,
+        d_ff=d_ff,
+        vocab_size=vocab_size,
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    )
 
 
 def build_model(config: LlamaConfig | MultiscreenConfig) -> nn.Module:

@@ -4,12 +4,18 @@
     python -m scripts.base_eval --model-tag smollm-360m --protocol mor    # the MoR paper's shots
     python -m scripts.base_eval --checkpoint PATH --tasks hellaswag,arc_easy:25 --limit 100
     python -m scripts.base_eval --model-tag cpu-tiny --data-dir DIR --demo-task   # offline: a local task
+    python -m scripts.base_eval --hf-dir PATH --data-dir DIR     # a public Hugging Face Llama (e.g. SmolLM2)
     torchrun --nproc_per_node=8 -m scripts.base_eval --model-tag smollm-360m     # requests split over GPUs
 
 The ppt protocol: LAMBADA, HellaSwag, PIQA 0-shot; WinoGrande 5-shot; ARC-Easy/Challenge 25-shot (ARC = their
 mean); MMLU 5-shot. The mor protocol: all 0-shot except MMLU 5-shot. The table and the manifest say which ran.
 `--demo-task` builds a multiple-choice task from the val split (40 words of a passage, the true next 10 words
 against 3 taken from other passages) and runs it through lm-eval offline.
+
+Bits per byte scores the first `--eval-tokens` val tokens; by default as many as the training run scored at its end
+(its manifest says), so the two figures agree, else base_train's default. The table gives the count beside the bpb.
+`--hf-dir` scores a Hugging Face folder (config.json + safetensors) that ppt/model.py can import, with this same
+code; its results go to the reports dir as run `hf-<folder name>`.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from ppt.common import (
     token_count,
 )
 from ppt.data import DataLoader, list_shards, read_shard
-from ppt.loss_eval import evaluate_bpb
+from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
 from ppt.tokenizer import Tokenizer
 from scripts.model_io import LoadedRun, build_from_checkpoint, load_run, load_tokenizer_for
 
@@ -50,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("model")
     g.add_argument("--model-tag", help="a training run's --tag: its latest complete checkpoint is evaluated")
     g.add_argument("--checkpoint", type=Path, help="a step_*.pt file (or a folder of them) instead of --model-tag")
+    g.add_argument(
+        "--hf-dir", type=Path, help="a Hugging Face Llama folder (config.json + safetensors) instead; needs --data-dir"
+    )
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
     g.add_argument(
         "--batch-size", type=positive_int, default=8, help="rows per forward, for bpb and lm-eval (default 8)"
@@ -62,7 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g = p.add_argument_group("bits per byte")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default: the run's data dir, else the default)")
-    g.add_argument("--eval-tokens", type=token_count, default=10_485_760, help="val tokens to score (default 10M)")
+    g.add_argument(
+        "--eval-tokens",
+        type=token_count,
+        help=f"val tokens to score (default: the training run's --eval-tokens, else {DEFAULT_EVAL_TOKENS:,})",
+    )
     g.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the run's training seq len)")
     g = p.add_argument_group("benchmarks (lm-eval)")
     g.add_argument("--protocol", choices=["ppt", "mor"], default="ppt", help="task preset and shots (default ppt)")
@@ -87,6 +100,16 @@ def resolve_seq_len(args: argparse.Namespace, run: LoadedRun, max_seq_len: int) 
     if seq_len > max_seq_len:
         raise PPTError(f"--seq-len {seq_len} exceeds the model's max_seq_len {max_seq_len}; lower --seq-len")
     return seq_len
+
+
+def resolve_eval_tokens(args: argparse.Namespace, run: LoadedRun) -> tuple[int, str]:
+    """(val token budget, where it comes from): --eval-tokens, else what the training run scored, else the default."""
+    if args.eval_tokens:
+        return int(args.eval_tokens), "--eval-tokens"
+    recorded = run.manifest().get("train", {}).get("eval_tokens")
+    if recorded:
+        return int(recorded), "the training run's --eval-tokens, from its manifest"
+    return DEFAULT_EVAL_TOKENS, "the default, base_train's too"
 
 
 def val_documents(data_dir: Path, tokenizer: Tokenizer) -> list[str]:
@@ -137,7 +160,7 @@ def table(bpb: dict[str, float], bench: dict[str, Any] | None) -> str:
         "| metric | value |",
         "|---|---|",
         f"| val NLL (nats/token) ↓ | {bpb['nll']:.4f} |",
-        f"| val bits per byte ↓ | {bpb['bpb']:.4f} |",
+        f"| val bits per byte ↓ ({bpb['tokens']:,} tokens) | {bpb['bpb']:.4f} |",
     ]
     if bench:
         for label, score in bench["rows"].items():
@@ -197,14 +220,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.skip_tasks and (args.demo_task or args.tasks):
         raise PPTError("--skip-tasks runs bits per byte only; drop it to run --tasks or --demo-task")
+    if args.hf_dir and not args.data_dir:
+        raise PPTError("--hf-dir needs --data-dir: prepared shards whose val split to score, made by its tokenizer")
     rt = init_runtime(args.device)
-    run = load_run(args.model_tag, args.checkpoint)
+    run = load_run(args.model_tag, args.checkpoint, args.hf_dir)
     model = build_from_checkpoint(run, rt.device)
     tokenizer, data_dir = load_tokenizer_for(run, args.data_dir)
     seq_len = resolve_seq_len(args, run, model.config.max_seq_len)
+    budget, budget_source = resolve_eval_tokens(args, run)
+    origin = "Hugging Face folder" if run.hf_dir else f"step {run.state.get('step')}"
     print0(
-        f"{run.path} (step {run.state.get('step')}, {type(model).__name__}) on {rt.device} "
-        f"{str(rt.dtype).removeprefix('torch.')}; data {data_dir}"
+        f"{run.path} ({origin}, {type(model).__name__}) on {rt.device} {str(rt.dtype).removeprefix('torch.')}; "
+        f"data {data_dir}; bpb over up to {budget:,} val tokens ({budget_source})"
     )
 
     started = time.time()
@@ -220,7 +247,6 @@ def main(argv: list[str] | None = None) -> None:
         expected_fingerprint=tokenizer.fingerprint,
         vocab_size=model.config.vocab_size,
     )
-    budget = int(args.eval_tokens)
     n_batches = -(-min(budget // (seq_len * rt.world_size), val.rows_per_rank) // args.batch_size)
     batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
     bpb_model = maybe_compile(model, args.compile, rt.device)
@@ -237,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             "tokens": run.state.get("tokens"),
             "data_dir": str(data_dir),
             "seq_len": seq_len,
+            "eval_tokens": budget,
             "dtype": str(rt.dtype),
             "world_size": rt.world_size,
             "val": bpb,

@@ -12,6 +12,7 @@ A run owns its checkpoint directory and its name (--tag) while it runs: a second
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import gc
 import json
@@ -54,7 +55,7 @@ from ppt.common import (
 )
 from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
 from ppt.flops import ComparisonFlops, comparison_flops_rule, mfu_flops_per_token, peak_flops
-from ppt.loss_eval import autocast, evaluate_bpb
+from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
 from ppt.model import CONFIGS, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
@@ -144,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tag", help="checkpoint/report name (default: the config name or d<depth>)")
     g.add_argument("--out-dir", type=Path, help="checkpoint dir (default <cache>/checkpoints/<tag>)")
     g.add_argument("--eval-every", type=nonneg_int, default=250, help="steps between val bpb (0: only at the end)")
-    g.add_argument("--eval-tokens", type=token_count, default=10_485_760, help="val tokens per evaluation")
+    g.add_argument(
+        "--eval-tokens",
+        type=token_count,
+        default=DEFAULT_EVAL_TOKENS,
+        help=f"val tokens per evaluation (default {DEFAULT_EVAL_TOKENS:,}; base_eval scores as many)",
+    )
     g.add_argument("--save-every", type=nonneg_int, default=1000, help="steps between checkpoints (0: only at the end)")
     g.add_argument("--keep", type=nonneg_int, default=3, help="checkpoints to keep (0 keeps all)")
     g.add_argument("--resume", help="'auto' (latest complete checkpoint in --out-dir, if any) or a checkpoint path")
@@ -447,7 +453,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             "loader_prefetch": args.loader_prefetch,
             "skip_nonfinite": args.skip_nonfinite,
             "eval_every": args.eval_every,
-            "eval_tokens": int(args.eval_tokens),
+            "eval_tokens": int(args.eval_tokens),  # base_eval scores as many by default
             "recipe": args.recipe,
         },
         params=n_params,
@@ -543,7 +549,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             vocab_size=config.vocab_size,
         )
         result = evaluate_bpb(compiled_model, val_loader.val_batches(int(args.eval_tokens)), token_bytes, rt.dtype)
-        gc.freeze()  # the first call compiled the evaluation graphs: out of the collector's scans too
+        freeze_gc()  # the first call compiled the evaluation graphs: out of the collector's scans too
         print0(
             f"step {step:6d} | val nll {result['nll']:.4f} | val bpb {result['bpb']:.4f} ({result['tokens']} tokens)"
         )
@@ -606,7 +612,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             # What torch.compile built in this first step lives all run. Freezing takes it out of the garbage
             # collector's full scans, which otherwise pause the host whenever they run (260 ms with a compiled
             # 32-layer model alive, on a 2-core CPU): under DDP one rank's pause holds up every rank.
-            gc.freeze()
+            freeze_gc()
             first_sync = now
         if not finite:
             skipped += 1
@@ -755,6 +761,15 @@ def duration(seconds: float) -> str:
 def for_wandb(entry: dict[str, Any]) -> dict[str, Any]:
     """wandb's metrics: integers past 2^53 (cumulative FLOPs) as floats."""
     return {k: float(v) if isinstance(v, int) and abs(v) > 2**53 else v for k, v in entry.items()}
+
+
+def freeze_gc() -> None:
+    """gc.freeze(), undone at exit. Frozen objects are never collected, not even when the interpreter shuts down,
+    so without the unfreeze libtriton's nanobind finds its objects still alive at exit and prints ~80 lines of
+    "nanobind: leaked ..." (they are not leaks: the collector was told to skip them)."""
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often a process (a test session) calls main
+    atexit.register(gc.unfreeze)
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:

@@ -19,7 +19,7 @@ import torch
 
 from ppt.common import ArgumentParser, init_runtime, maybe_compile, positive_int, run_cli, token_count
 from ppt.data import DataLoader
-from ppt.loss_eval import evaluate_bpb
+from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
 from ppt.model import build_model, get_config
 from scripts.bench_train import synthetic_tokenizer, write_synthetic_data
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default="smollm-360m")
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--batch-size", default="16", help="comma list of rows per forward")
-    p.add_argument("--eval-tokens", type=token_count, default=10_485_760)
+    p.add_argument("--eval-tokens", type=token_count, default=DEFAULT_EVAL_TOKENS)
     p.add_argument("--compile", default="on", help="comma list of on/off")
     p.add_argument("--mean-doc-len", type=positive_int, default=1024)
     args = p.parse_args(argv)

@@ -5,8 +5,8 @@
 
 The folder holds model.safetensors, config.json, tokenizer.json and a minimal tokenizer_config.json. The tokenizer
 prepends EOT (`<|endoftext|>`, also BOS and EOS) to every text, as ppt's training and lm-eval adapter do, so
-`AutoTokenizer` + `AutoModelForCausalLM` score exactly what ppt scores. Only the vanilla Llama maps onto a
-transformers class; other architectures are refused.
+`AutoTokenizer` + `AutoModelForCausalLM` score exactly what ppt scores. The architecture says how it maps onto a
+transformers class (`hf_mapping()` in ppt/model.py: the vanilla Llama has one); one without it is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,65 +25,27 @@ from tokenizers import processors
 
 from ppt.common import ArgumentParser, PPTError, run_cli
 from ppt.tokenizer import EOT_TOKEN, Tokenizer
-from scripts.model_io import load_run, load_tokenizer_for
+from scripts.model_io import build_on_meta, config_from_dict, hf_mapping, load_run, load_tokenizer_for
 
-EXPORTABLE_CONFIG = "LlamaConfig"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# ppt parameter name -> Hugging Face Llama parameter name ({i} is the layer)
-_RENAMES = [
-    (r"embed\.weight", "model.embed_tokens.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"blocks\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"blocks\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"blocks\.(\d+)\.attn\.([qkvo])_proj\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
-    (r"blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
-]
+
+def hf_state_dict(
+    state: dict[str, torch.Tensor], names: dict[str, str], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights under their Hugging Face names (`names`: the model's hf_mapping())."""
+    if set(state) != set(names):
+        strays, absent = sorted(set(state) - set(names)), sorted(set(names) - set(state))
+        raise PPTError(
+            f"the checkpoint's weights are not those ppt/model.py's hf_mapping() names (not named: {strays[:3]}, "
+            f"not in the checkpoint: {absent[:3]}); it is of another architecture: export with its model.py"
+        )
+    return {names[name]: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in state.items()}
 
 
-def hf_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Rename ppt's Llama weights to transformers' names. The head is tied to the embedding, so it is not stored.
-
-    Both sides rotate the two halves of each head (not interleaved pairs), so q/k need no permutation.
-    """
-    out = {}
-    for name, tensor in state.items():
-        for pattern, target in _RENAMES:
-            if re.fullmatch(pattern, name):
-                out[re.sub(pattern, target, name)] = tensor.detach().to("cpu", dtype).contiguous()
-                break
-        else:
-            raise PPTError(
-                f"weight {name!r} has no Hugging Face Llama counterpart: ppt/model.py's Llama changed since "
-                "scripts/export_hf.py was written; extend its name map"
-            )
-    return out
-
-
-def hf_config(config: dict[str, Any], eot_id: int, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for LlamaForCausalLM; rope written the old way and the new, for transformers 4.x and 5.x."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": config["vocab_size"],
-        "hidden_size": config["d_model"],
-        "intermediate_size": config["d_ff"],
-        "num_hidden_layers": config["n_layer"],
-        "num_attention_heads": config["n_head"],
-        "num_key_value_heads": config["n_kv_head"],
-        "head_dim": config["d_model"] // config["n_head"],
-        "max_position_embeddings": config["max_seq_len"],
-        "rms_norm_eps": config["rms_eps"],
-        "rope_theta": config["rope_theta"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"]},
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": True,
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+def model_mapping(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The Hugging Face mapping of the model a checkpoint's config builds; refuses an architecture without one."""
+    return hf_mapping(build_on_meta(config_from_dict(config)))
 
 
 def write_tokenizer(tokenizer: Tokenizer, directory: Path, max_length: int) -> None:
@@ -108,15 +69,7 @@ def write_tokenizer(tokenizer: Tokenizer, directory: Path, max_length: int) -> N
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def check_exportable(config: dict[str, Any]) -> None:
-    if config.get("class") != EXPORTABLE_CONFIG:
-        raise PPTError(
-            f"only the vanilla Llama ({EXPORTABLE_CONFIG}) exports to Hugging Face; this checkpoint is a "
-            f"{config.get('class')!r}, which no transformers class implements"
-        )
-
-
-def export_llama(
+def export_model(
     state: dict[str, torch.Tensor],
     config: dict[str, Any],
     tokenizer: Tokenizer,
@@ -129,7 +82,7 @@ def export_llama(
         from safetensors.torch import save_file
     except ImportError as exc:
         raise PPTError("safetensors is not installed: uv sync --extra eval") from exc
-    check_exportable(config)
+    architecture, names = model_mapping(config)
     if config["vocab_size"] != tokenizer.vocab_size:
         raise PPTError(
             f"the model's vocab_size {config['vocab_size']} differs from the tokenizer's "
@@ -138,12 +91,17 @@ def export_llama(
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise PPTError(f"{out_dir} exists and is not empty; pass --force to replace it, or another --out")
-    weights = hf_state_dict(state, dtype)
+    weights = hf_state_dict(state, names, dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        hf = hf_config(config, tokenizer.eot_id, dtype)
+        hf = {
+            **architecture,
+            "bos_token_id": tokenizer.eot_id,
+            "eos_token_id": tokenizer.eot_id,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        }
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         write_tokenizer(tokenizer, staging, config["max_seq_len"])
         if out_dir.exists():
@@ -168,9 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     run = load_run(args.model_tag, args.checkpoint)
-    check_exportable(run.config)  # before looking for a tokenizer
+    model_mapping(run.config)  # an architecture without one is refused before looking for a tokenizer
     tokenizer, _ = load_tokenizer_for(run, args.data_dir)
-    out = export_llama(run.state["model"], run.config, tokenizer, args.out, DTYPES[args.dtype], args.force)
+    out = export_model(run.state["model"], run.config, tokenizer, args.out, DTYPES[args.dtype], args.force)
     print(f"exported {run.path} (step {run.state.get('step')}) to {out}")
     print(f"load it with transformers: AutoModelForCausalLM.from_pretrained({str(out)!r})")
 

@@ -2,11 +2,13 @@
 
     python -m scripts.lm_eval --model ppt --model_args model_tag=smollm-360m --tasks hellaswag --batch_size 16
     python -m scripts.lm_eval --model ppt --model_args checkpoint=PATH,dtype=bf16 --tasks arc_easy --num_fewshot 25
+    python -m scripts.lm_eval --model ppt --model_args hf_dir=PATH --tasks piqa   # a public Hugging Face Llama
     python -m scripts.lm_eval ls tasks
 
-model_args: `checkpoint` (a step_*.pt file or a folder of them) or `model_tag` (a training run's --tag), and
-optionally `data_dir` (where the run's tokenizer is; default the run's data dir), `dtype` (bf16|fp16|fp32; default
-autodetected) and `max_length`. lm-eval 0.4.x finds models only in its registry, which this script fills before
+model_args: `checkpoint` (a step_*.pt file or a folder of them), `model_tag` (a training run's --tag) or `hf_dir` (a
+Hugging Face folder that ppt/model.py imports: the same model code scores it), and optionally `data_dir` (where the
+run's tokenizer is; default the run's data dir, or the folder's own tokenizer.json), `dtype` (bf16|fp16|fp32;
+default autodetected) and `max_length`. lm-eval 0.4.x finds models only in its registry, which this script fills before
 handing over; the plain `lm_eval` command does not know `ppt`. One process: for several GPUs, run
 `torchrun ... -m scripts.base_eval`, whose adapter splits the requests over ranks.
 """
@@ -52,12 +54,13 @@ def parse_batch_size(value: Any) -> int:
 
 @register_model("ppt")
 class CheckpointLM(PPTLM):
-    """`--model ppt`: the adapter over a model rebuilt from a ppt checkpoint."""
+    """`--model ppt`: the adapter over a model rebuilt from a ppt checkpoint or imported from a Hugging Face folder."""
 
     def __init__(
         self,
         checkpoint: str | None = None,
         model_tag: str | None = None,
+        hf_dir: str | None = None,
         data_dir: str | None = None,
         device: str | None = None,
         dtype: str | None = None,
@@ -65,7 +68,7 @@ class CheckpointLM(PPTLM):
         max_length: int | None = None,
         **unused: Any,  # lm-eval's max_batch_size and the like
     ) -> None:
-        run = load_run(model_tag, checkpoint)
+        run = load_run(model_tag, checkpoint, hf_dir)
         tokenizer, _ = load_tokenizer_for(run, data_dir)
         target = torch.device(device) if device else autodetect_device()
         if target.type == "cuda" and not torch.cuda.is_available():  # lm-eval's default device is cuda:0

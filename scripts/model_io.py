@@ -3,11 +3,16 @@
 Shared by base_eval, lm_eval and export_hf. A checkpoint stores `config = {"class": <config class>, **fields}`;
 the class must still exist in ppt/model.py and the weights must fit the model it builds, else the checkpoint is
 of another architecture and loading stops with a message saying so.
+
+A Hugging Face model folder (config.json + safetensors, what `save_pretrained` writes) loads as a run too
+(`load_run(hf_dir=...)`): ppt/model.py's `config_from_hf` turns its config.json into a ppt config and the model's
+`hf_mapping()` names each weight, so a public checkpoint is scored by the same model code and evaluation as a run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +22,11 @@ import torch
 from torch import nn
 
 from ppt import checkpoint as ckpt
+from ppt import model as model_file  # the contract's optional parts (config_from_hf) are looked up on it
 from ppt.common import PPTError, cache_dir
 from ppt.data import default_data_dir, load_data_tokenizer
 from ppt.model import CONFIGS, build_model
-from ppt.tokenizer import Tokenizer
+from ppt.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -30,6 +36,7 @@ class LoadedRun:
     path: Path
     tag: str
     state: dict[str, Any]  # the checkpoint dict: model, config, step, tokens, tokenizer_fingerprint, ...
+    hf_dir: Path | None = None  # the Hugging Face folder the weights came from; None for a ppt checkpoint
 
     @property
     def config(self) -> dict[str, Any]:
@@ -37,8 +44,10 @@ class LoadedRun:
 
     @property
     def manifest_paths(self) -> list[Path]:
-        """The run manifest in the reports dir and its copy beside the checkpoints (base_train writes both)."""
-        return [cache_dir() / "reports" / f"{self.tag}.json", self.path.parent / f"{self.tag}.json"]
+        """The run manifest in the reports dir and its copy beside the checkpoints (base_train writes both); a
+        Hugging Face folder's only in the reports dir, since its folder is not ppt's to write."""
+        reports = cache_dir() / "reports" / f"{self.tag}.json"
+        return [reports] if self.hf_dir else [reports, self.path.parent / f"{self.tag}.json"]
 
     def manifest(self) -> dict[str, Any]:
         """The first manifest that exists and parses, else {}."""
@@ -73,7 +82,14 @@ def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | No
     return path, model_tag
 
 
-def load_run(model_tag: str | None = None, checkpoint: str | Path | None = None) -> LoadedRun:
+def load_run(
+    model_tag: str | None = None, checkpoint: str | Path | None = None, hf_dir: str | Path | None = None
+) -> LoadedRun:
+    """A ppt checkpoint (`checkpoint`, else the latest of `model_tag`), or a Hugging Face folder (`hf_dir`)."""
+    if hf_dir:
+        if model_tag or checkpoint:
+            raise PPTError("a Hugging Face folder names the model on its own: drop --model-tag / --checkpoint")
+        return load_hf_folder(hf_dir)
     path, tag = resolve_checkpoint(model_tag, checkpoint)
     state = ckpt.load_checkpoint(path, map_location="cpu")
     missing = [key for key in ("model", "config") if key not in state]
@@ -101,11 +117,15 @@ def config_from_dict(saved: dict[str, Any]) -> Any:
     return classes[name](**{k: v for k, v in saved.items() if k != "class"})
 
 
+def build_on_meta(config: Any) -> nn.Module:
+    """The model ppt/model.py builds for a config, on the meta device: shapes and names, no memory."""
+    with torch.device("meta"):
+        return build_model(config)
+
+
 def build_from_checkpoint(run: LoadedRun, device: torch.device | str = "cpu") -> nn.Module:
     """Build on meta, materialize on `device`, init (non-persistent buffers), then load the checkpoint's weights."""
-    config = config_from_dict(run.config)
-    with torch.device("meta"):
-        model = build_model(config)
+    model = build_on_meta(config_from_dict(run.config))
     model.to_empty(device=device)
     model.init_weights()
     try:
@@ -120,25 +140,150 @@ def build_from_checkpoint(run: LoadedRun, device: torch.device | str = "cpu") ->
 
 
 def load_tokenizer_for(run: LoadedRun, data_dir: str | Path | None = None) -> tuple[Tokenizer, Path]:
-    """The tokenizer of `data_dir` (default: the data dir the run's manifest records, else the default one if it
-    exists), checked against the fingerprint the checkpoint was trained with."""
+    """The tokenizer of `data_dir` (default: the run's recorded data dir; for a Hugging Face folder its own
+    tokenizer.json; else the default data dir), checked against the fingerprint the model was trained with."""
     recorded = run.manifest().get("data", {}).get("dir")
     if not data_dir and recorded and not (Path(recorded) / "meta.json").is_file():
         raise PPTError(
             f"{run.path} was trained on {recorded} (its run manifest says), which holds no prepared data now; "
             "pass --data-dir with that data"
         )
-    if not (data_dir or recorded or (default_data_dir() / "meta.json").is_file()):
+    if not run.hf_dir and not (data_dir or recorded or (default_data_dir() / "meta.json").is_file()):
         raise PPTError(
             f"the run manifest of {run.path} is missing, so the data it was trained on is unknown; pass --data-dir "
             "with the prepared data directory it was trained on"
         )
-    directory = Path(data_dir or recorded or default_data_dir()).expanduser()
-    tokenizer = load_data_tokenizer(directory)
-    expected = run.state.get("tokenizer_fingerprint")
-    if expected and expected != tokenizer.fingerprint:
+    if run.hf_dir and not (data_dir or recorded):
+        tokenizer, directory = hf_tokenizer(run.hf_dir), run.hf_dir
+        if tokenizer is None:
+            raise PPTError(f"{run.hf_dir} holds no tokenizer.json; pass data_dir=DIR of data prepared for the model")
+    else:
+        directory = Path(data_dir or recorded or default_data_dir()).expanduser()
+        tokenizer = load_data_tokenizer(directory)
+        expected = run.state.get("tokenizer_fingerprint")
+        actual = encoding_fingerprint(tokenizer) if run.hf_dir else tokenizer.fingerprint
+        if expected and expected != actual:
+            raise PPTError(
+                f"{run.path} {'comes' if run.hf_dir else 'was trained'} with tokenizer {expected[:16]}, but "
+                f"{directory} holds {tokenizer.name} ({actual[:16]}); pass --data-dir with data prepared by the "
+                "model's tokenizer"
+            )
+    if tokenizer.vocab_size > run.config["vocab_size"]:
         raise PPTError(
-            f"{run.path} was trained with tokenizer {expected[:16]}, but {directory} holds {tokenizer.name} "
-            f"({tokenizer.fingerprint[:16]}); pass --data-dir with the data the model was trained on"
+            f"{directory}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
+            f"{run.config['vocab_size']}; pass --data-dir with data prepared by the model's tokenizer"
         )
     return tokenizer, directory
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hugging Face folders
+
+
+def hf_mapping(model: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
+    """The model's own Hugging Face correspondence, `model.hf_mapping()` in ppt/model.py: (config.json fields,
+    {ppt weight name: Hugging Face weight name}), checked to name every weight once."""
+    if not hasattr(model, "hf_mapping"):
+        raise PPTError(
+            f"no Hugging Face export or import for this architecture: ppt/model.py's {type(model).__name__} has no "
+            "hf_mapping() (the vanilla Llama's shows what it returns)"
+        )
+    config, names = model.hf_mapping()
+    weights = set(model.state_dict())
+    if set(names) != weights or len(set(names.values())) != len(names):
+        unnamed, unknown = sorted(weights - set(names)), sorted(set(names) - weights)
+        raise PPTError(
+            f"ppt/model.py's {type(model).__name__}.hf_mapping() does not name each weight once (unnamed: "
+            f"{unnamed[:3]}, not weights: {unknown[:3]}, or two weights under one name); fix it there"
+        )
+    return config, names
+
+
+def hf_tokenizer(hf_dir: Path) -> Tokenizer | None:
+    """The folder's tokenizer.json, if it has one."""
+    path = hf_dir / "tokenizer.json"
+    return load_tokenizer(path) if path.is_file() else None
+
+
+def encoding_fingerprint(tokenizer: Tokenizer) -> str:
+    """sha256 of the tokenizer JSON without its post-processor, by which a Hugging Face folder's tokenizer and a data
+    dir's are compared: the post-processor is the BOS/EOS template transformers applies (an export adds EOT there),
+    while ppt encodes without special tokens and adds EOT itself."""
+    spec = json.loads(tokenizer.backend.to_str())
+    spec.pop("post_processor", None)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists."""
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+    except ImportError as exc:
+        raise PPTError("safetensors is not installed: uv sync --extra eval") from exc
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (hf_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise PPTError(
+            f"{hf_dir} holds no model.safetensors (nor model.safetensors.index.json); ppt reads safetensors only: "
+            "save the model with transformers' save_pretrained(DIR, safe_serialization=True)"
+        )
+    tensors = {}
+    for name in files:
+        try:
+            tensors.update(load_file(hf_dir / name))
+        except (OSError, SafetensorError) as exc:
+            raise PPTError(f"cannot read {hf_dir / name} ({exc}); the folder is incomplete or corrupt") from exc
+    return tensors
+
+
+def few(names: list[str]) -> str:
+    """The first three names, and how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def load_hf_folder(hf_dir: str | Path) -> LoadedRun:
+    """A Hugging Face model folder as a run: config.json through ppt/model.py's `config_from_hf`, the weights
+    renamed by the model's `hf_mapping()` and kept in their stored dtype (loading into the model casts them)."""
+    directory = Path(hf_dir).expanduser()
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise PPTError(
+            f"{directory} holds no config.json; pass a Hugging Face model folder (what save_pretrained writes)"
+        )
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PPTError(f"{config_path} is not valid JSON ({exc}); the folder is incomplete or corrupt") from exc
+    if not hasattr(model_file, "config_from_hf"):
+        raise PPTError("ppt/model.py has no config_from_hf(): it imports no Hugging Face models")
+    config = model_file.config_from_hf(hf_config)
+    model = build_on_meta(config)
+    _, names = hf_mapping(model)
+    tensors = read_safetensors(directory)
+    missing = [theirs for theirs in names.values() if theirs not in tensors]
+    unexpected = sorted(set(tensors) - set(names.values()))
+    if missing or unexpected:
+        problems = [f"it lacks {few(missing)}"] if missing else []
+        problems += [f"{few(unexpected)} fit nowhere in it"] if unexpected else []
+        raise PPTError(
+            f"{directory}'s weights do not fit the {type(model).__name__} its config.json describes: "
+            f"{'; '.join(problems)}; the weights and config.json do not belong together"
+        )
+    expected = model.state_dict()
+    for ours, theirs in names.items():
+        if tensors[theirs].shape != expected[ours].shape:
+            raise PPTError(
+                f"{directory}: {theirs} has shape {tuple(tensors[theirs].shape)}, but its config.json makes it "
+                f"{tuple(expected[ours].shape)}; the weights and config.json do not belong together"
+            )
+    tokenizer = hf_tokenizer(directory)
+    state = {
+        "model": {ours: tensors[theirs] for ours, theirs in names.items()},
+        "config": {"class": type(config).__name__, **dataclasses.asdict(config)},
+        "tokenizer_fingerprint": encoding_fingerprint(tokenizer) if tokenizer else None,
+    }
+    return LoadedRun(directory, f"hf-{directory.name}", state, hf_dir=directory)

@@ -49,11 +49,10 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from ppt.common import ArgumentParser, PPTError, atomic_file, positive_int, run_cli
 from scripts.compare import compare

@@ -347,7 +347,7 @@ def test_base_eval_demo_task_prints_the_table_and_updates_both_manifests(trained
         ["--model-tag", "tiny-run", "--eval-tokens", "1024", "--batch-size", "4", "--demo-task", "--device", "cpu"]
     )
     shown = capsys.readouterr().out
-    assert "| val bits per byte ↓ |" in shown and "demo continuation" in shown
+    assert "| val bits per byte ↓ (1,024 tokens) |" in shown and "demo continuation" in shown
     data_dir = json.loads((path.parent / "tiny-run.json").read_text())["data"]["dir"]
     expected = evaluate_bpb(model, DataLoader(data_dir, "val", 4, 32).val_batches(1024), tokenizer.token_bytes())
     for manifest in (offline_private_cache / "reports" / "tiny-run.json", path.parent / "tiny-run.json"):
@@ -359,6 +359,22 @@ def test_base_eval_demo_task_prints_the_table_and_updates_both_manifests(trained
         assert evaluation["benchmarks"]["protocol"] == "demo"
         assert 0 <= evaluation["benchmarks"]["rows"]["demo continuation (4-way)"] <= 100
         assert f"{expected['bpb']:.4f}" in shown
+
+
+def test_base_eval_scores_as_many_tokens_as_the_training_run_and_says_so(trained_run, offline_private_cache, capsys):
+    from scripts import base_eval
+
+    path, _, _, _ = trained_run
+    manifest = json.loads((path.parent / "tiny-run.json").read_text())
+    manifest["train"]["eval_tokens"] = 320  # what base_train records: its --eval-tokens
+    for target in (offline_private_cache / "reports" / "tiny-run.json", path.parent / "tiny-run.json"):
+        target.write_text(json.dumps(manifest))
+    base_eval.main(["--model-tag", "tiny-run", "--skip-tasks", "--batch-size", "4", "--device", "cpu"])
+    shown = capsys.readouterr().out
+    assert "up to 320 val tokens (the training run's --eval-tokens, from its manifest)" in shown
+    evaluation = json.loads((path.parent / "tiny-run.json").read_text())["eval"]
+    assert evaluation["eval_tokens"] == 320 and evaluation["val"]["tokens"] == 320
+    assert f"| val bits per byte ↓ (320 tokens) | {evaluation['val']['bpb']:.4f} |" in shown
 
 
 def test_base_eval_rejects_bad_checkpoints_and_tokenizers(trained_run, tmp_path, demo_data_dir):

@@ -1,5 +1,6 @@
 """Hugging Face export: the folder loads as LlamaForCausalLM with the same logits, its tokenizer adds the EOT prefix,
-and lm-eval's own HFLM on the export scores a local task exactly as ppt's adapter does (the parity oracle)."""
+lm-eval's own HFLM on the export scores a local task exactly as ppt's adapter does (the parity oracle), and the
+import reads the export back to the same model."""
 
 import dataclasses
 import json
@@ -15,9 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from ppt.common import PPTError  # noqa: E402
 from ppt.evals import PPTLM, demo_examples, task_manager, write_choice_task  # noqa: E402
-from ppt.model import LlamaConfig, build_model  # noqa: E402
+from ppt.model import LlamaConfig, build_model, get_config  # noqa: E402
 from ppt.tokenizer import train_demo_tokenizer  # noqa: E402
-from scripts.export_hf import export_llama, hf_state_dict  # noqa: E402
+from scripts.export_hf import export_model, hf_state_dict  # noqa: E402
+from scripts.model_io import encoding_fingerprint, load_run  # noqa: E402
 
 TEXT = " ".join(
     f"Paragraph {i}: a generator yields values lazily; the caller resumes it with next() until StopIteration, "
@@ -45,7 +47,7 @@ def exported(tmp_path_factory):
     torch.manual_seed(0)
     model.init_weights()
     out = tmp_path_factory.mktemp("export") / "tiny-llama"
-    export_llama(model.state_dict(), {"class": "LlamaConfig", **dataclasses.asdict(config)}, tokenizer, out)
+    export_model(model.state_dict(), {"class": "LlamaConfig", **dataclasses.asdict(config)}, tokenizer, out)
     return model.eval(), tokenizer, out
 
 
@@ -118,18 +120,28 @@ def test_hflm_on_the_export_matches_the_adapter(exported, tmp_path):
     assert [r[0] for r in ours_rolling] == pytest.approx([r[0] for r in hf_rolling], abs=1e-4)
 
 
+def test_the_import_reads_the_export_back_to_the_same_model_and_tokenizer(exported):
+    model, tokenizer, out = exported
+    run = load_run(hf_dir=out)
+    assert run.config == {"class": "LlamaConfig", **dataclasses.asdict(model.config)}
+    assert run.state["model"].keys() == model.state_dict().keys()
+    assert all(torch.equal(run.state["model"][k], v) for k, v in model.state_dict().items())
+    # the export's tokenizer adds EOT as BOS, which ppt does itself: the same tokenizer for ppt's purposes
+    assert run.state["tokenizer_fingerprint"] == encoding_fingerprint(tokenizer)
+
+
 def test_export_refuses_other_architectures_unknown_weights_and_existing_folders(exported, tmp_path):
     model, tokenizer, out = exported
-    config = {"class": "MultiscreenConfig", "vocab_size": tokenizer.vocab_size}
-    with pytest.raises(PPTError, match="only the vanilla Llama"):
-        export_llama({}, config, tokenizer, tmp_path / "ms")
+    multiscreen = {"class": "MultiscreenConfig", **dataclasses.asdict(get_config("multiscreen-tiny"))}
+    with pytest.raises(PPTError, match="no Hugging Face export or import for this architecture.*MultiscreenLM"):
+        export_model({}, multiscreen, tokenizer, tmp_path / "ms")
     assert not (tmp_path / "ms").exists()
-    with pytest.raises(PPTError, match="no Hugging Face Llama counterpart"):
-        hf_state_dict({"blocks.0.attn.gate.weight": torch.zeros(2)})
+    with pytest.raises(PPTError, match="not those ppt/model.py's hf_mapping\\(\\) names.*blocks.0.attn.gate.weight"):
+        hf_state_dict({"blocks.0.attn.gate.weight": torch.zeros(2)}, {"embed.weight": "model.embed_tokens.weight"})
     llama = {"class": "LlamaConfig", **dataclasses.asdict(model.config)}
-    again = export_llama(model.state_dict(), llama, tokenizer, tmp_path / "again")
+    again = export_model(model.state_dict(), llama, tokenizer, tmp_path / "again")
     with pytest.raises(PPTError, match="exists and is not empty"):
-        export_llama(model.state_dict(), llama, tokenizer, again)
-    export_llama(model.state_dict(), llama, tokenizer, again, dtype=torch.bfloat16, overwrite=True)
+        export_model(model.state_dict(), llama, tokenizer, again)
+    export_model(model.state_dict(), llama, tokenizer, again, dtype=torch.bfloat16, overwrite=True)
     assert json.loads((again / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again"], "no staging folder left behind"
