@@ -48,7 +48,7 @@ from ppt.common import (
 from ppt.data import DataLoader, list_shards, read_shard
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
 from ppt.tokenizer import Tokenizer
-from scripts.model_io import LoadedRun, build_from_checkpoint, load_run, load_tokenizer_for
+from ppt.model_io import LoadedRun, build_from_checkpoint, load_run, load_tokenizer_for
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

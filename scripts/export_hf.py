@@ -25,7 +25,7 @@ from tokenizers import processors
 
 from ppt.common import ArgumentParser, PPTError, run_cli
 from ppt.tokenizer import EOT_TOKEN, Tokenizer
-from scripts.model_io import build_on_meta, config_from_dict, hf_mapping, load_run, load_tokenizer_for
+from ppt.model_io import build_on_meta, config_from_dict, hf_mapping, load_run, load_tokenizer_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

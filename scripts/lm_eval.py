@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ppt.common import PPTError, autodetect_device, autodetect_dtype, run_cli, warn0
-from scripts.model_io import build_from_checkpoint, load_run, load_tokenizer_for
+from ppt.model_io import build_from_checkpoint, load_run, load_tokenizer_for
 
 try:  # the eval extra: say how to install it rather than show a traceback
     from lm_eval.api.registry import register_model

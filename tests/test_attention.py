@@ -78,7 +78,7 @@ def test_compiled_model_gives_the_eager_loss_with_and_without_grad_on_gpu():
 
 def test_bench_attention_names_bad_kernel_options_and_a_missing_gpu():
     from ppt.common import PPTError
-    from scripts.bench_attention import main
+    from bench.bench_attention import main
 
     for bad in ("{BLOCK_M: 64", "[64]"):
         with pytest.raises(PPTError, match="is not a JSON dict"):

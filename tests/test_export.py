@@ -19,7 +19,7 @@ from ppt.evals import PPTLM, demo_examples, task_manager, write_choice_task  # n
 from ppt.model import LlamaConfig, build_model, get_config  # noqa: E402
 from ppt.tokenizer import train_demo_tokenizer  # noqa: E402
 from scripts.export_hf import export_model, hf_state_dict  # noqa: E402
-from scripts.model_io import encoding_fingerprint, load_run  # noqa: E402
+from ppt.model_io import encoding_fingerprint, load_run  # noqa: E402
 
 TEXT = " ".join(
     f"Paragraph {i}: a generator yields values lazily; the caller resumes it with next() until StopIteration, "

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
 from ppt.data import load_data_tokenizer  # noqa: E402
 from ppt.model import LlamaConfig  # noqa: E402
-from scripts.model_io import build_from_checkpoint, load_run, load_tokenizer_for  # noqa: E402
+from ppt.model_io import build_from_checkpoint, load_run, load_tokenizer_for  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_a_folder_needs_data_made_by_its_tokenizer(hf_folder, demo_data_dir, tmp
 
 
 def test_check_hf_import_compares_logits_and_scores_the_help_topics(hf_folder, capsys):
-    from scripts import check_hf_import
+    from bench import check_hf_import
 
     directory, _ = hf_folder
     argv = ["--hf-dir", str(directory), "--seq-len", "48", "--eval-tokens", "480"]

@@ -259,7 +259,7 @@ def test_heads_longer_than_the_training_length_see_the_whole_prefix_after_reload
     from a checkpoint saved before the training length was recorded."""
     from ppt import checkpoint as ckpt
     from scripts import base_train
-    from scripts.model_io import build_from_checkpoint, load_run
+    from ppt.model_io import build_from_checkpoint, load_run
 
     def train(*extra: str) -> None:
         sizes = "--seq-len 64 --device-batch-size 2 --total-batch-tokens 128 --target-tokens 1e6 --eval-tokens 256"

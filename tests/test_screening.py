@@ -343,9 +343,9 @@ def test_cuda_kernels_agree_across_block_configs(plan):
 
 
 def test_kernel_stats_compiles_for_sm90_without_a_gpu(capsys):
-    """scripts.kernel_stats compiles a kernel ahead of time for an H100/H200 and reads its registers and loop."""
+    """bench.kernel_stats compiles a kernel ahead of time for an H100/H200 and reads its registers and loop."""
     pytest.importorskip("triton")
-    from scripts.kernel_stats import CUOBJDUMP, main
+    from bench.kernel_stats import CUOBJDUMP, main
 
     if not CUOBJDUMP.is_file():
         pytest.skip("this Triton ships no cuobjdump")
@@ -356,7 +356,7 @@ def test_kernel_stats_compiles_for_sm90_without_a_gpu(capsys):
     assert "HMMA" in row  # the loop's dots run on tensor cores
 
 
-E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bench_multiscreen_e2e.sh")
+E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "bench_multiscreen_e2e.sh")
 
 
 def test_bench_multiscreen_e2e_answers_help():

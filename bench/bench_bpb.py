@@ -1,6 +1,6 @@
 """Validation bits-per-byte throughput: `evaluate_bpb` over a token budget, the code base_eval and base_train run.
 
-    python -m scripts.bench_bpb --config smollm-360m --eval-tokens 10485760 --batch-size 16,32 --compile on,off
+    python -m bench.bench_bpb --config smollm-360m --eval-tokens 10485760 --batch-size 16,32 --compile on,off
 
 Randomly initialised weights (the time does not depend on them) and synthetic val shards (uniform random tokens,
 documents of exponentially distributed length), so nothing is downloaded. Each variant first scores one batch to
@@ -21,7 +21,7 @@ from ppt.common import ArgumentParser, init_runtime, maybe_compile, positive_int
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
 from ppt.model import build_model, get_config
-from scripts.bench_train import synthetic_tokenizer, write_synthetic_data
+from bench.bench_train import synthetic_tokenizer, write_synthetic_data
 
 
 def main(argv: list[str] | None = None) -> None:

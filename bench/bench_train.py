@@ -1,8 +1,8 @@
 """End-to-end training throughput: the real step (loader, forward, backward, optimizer, logging) on synthetic shards.
 
-    python -m scripts.bench_train --config smollm-360m --device-batch-size 16 --compile on,off
-    python -m scripts.bench_train --config multiscreen-d16 --seq-len 4096 --optimizer aurora --doc-masks on
-    python -m scripts.bench_train --config smollm-360m --steps 15 --profile    # and where the real step's time goes
+    python -m bench.bench_train --config smollm-360m --device-batch-size 16 --compile on,off
+    python -m bench.bench_train --config multiscreen-d16 --seq-len 4096 --optimizer aurora --doc-masks on
+    python -m bench.bench_train --config smollm-360m --steps 15 --profile    # and where the real step's time goes
 
 Each variant runs `scripts.base_train --benchmark` in a fresh process on a synthetic data directory (uniform random
 tokens, documents of exponentially distributed length separated by EOT, a byte-level vocabulary of the config's

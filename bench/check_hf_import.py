@@ -1,7 +1,7 @@
 """Check the Hugging Face import on a real checkpoint: the ppt model built from the folder gives transformers' logits
 in fp32, and scores real English text as a trained model does (bits per byte well below 2).
 
-    python -m scripts.check_hf_import --hf-dir PATH          # e.g. SmolLM2-135M (docs/benchmarks.md has a run)
+    python -m bench.check_hf_import --hf-dir PATH          # e.g. SmolLM2-135M (docs/benchmarks.md has a run)
 
 The text is the documentation of the Python standard library's help() topics (`pydoc_data.topics`: English technical
 prose that ships with every Python), tokenized with the folder's tokenizer, each topic a document after an EOT, as
@@ -28,7 +28,7 @@ from ppt.common import PPTError, run_cli
 from ppt.data import DataLoader, shard_path, write_shard
 from ppt.loss_eval import evaluate_bpb
 from ppt.tokenizer import Tokenizer
-from scripts.model_io import build_from_checkpoint, load_run, load_tokenizer_for
+from ppt.model_io import build_from_checkpoint, load_run, load_tokenizer_for
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
