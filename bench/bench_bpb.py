@@ -21,7 +21,7 @@ from ppt.common import ArgumentParser, init_runtime, maybe_compile, positive_int
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
 from ppt.model import build_model, get_config
-from bench.bench_train import synthetic_tokenizer, write_synthetic_data
+from ppt.synthetic import synthetic_tokenizer, write_synthetic_data
 
 
 def main(argv: list[str] | None = None) -> None:

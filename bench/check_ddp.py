@@ -20,8 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.bench_train import launcher
 from ppt.common import ArgumentParser, Number, PPTError, nonneg_float, nonneg_int, positive_float, positive_int, run_cli
-from bench.bench_train import launcher, write_synthetic_data
+from ppt.synthetic import write_synthetic_data
 
 
 def run(cmd: list[str], env: dict[str, str]) -> None:

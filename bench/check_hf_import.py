@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 from ppt.common import PPTError, run_cli
 from ppt.data import DataLoader, shard_path, write_shard
 from ppt.loss_eval import evaluate_bpb
-from ppt.tokenizer import Tokenizer
 from ppt.model_io import build_from_checkpoint, load_run, load_tokenizer_for
+from ppt.tokenizer import Tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

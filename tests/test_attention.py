@@ -77,8 +77,8 @@ def test_compiled_model_gives_the_eager_loss_with_and_without_grad_on_gpu():
 
 
 def test_bench_attention_names_bad_kernel_options_and_a_missing_gpu():
-    from ppt.common import PPTError
     from bench.bench_attention import main
+    from ppt.common import PPTError
 
     for bad in ("{BLOCK_M: 64", "[64]"):
         with pytest.raises(PPTError, match="is not a JSON dict"):

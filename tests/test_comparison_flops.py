@@ -177,7 +177,7 @@ def test_sdpa_with_an_explicit_mask_counts_densely():
 @pytest.fixture(scope="module")
 def short_docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Synthetic shards of short documents (about 12 tokens), so 32-token rows hold several."""
-    from bench.bench_train import write_synthetic_data
+    from ppt.synthetic import write_synthetic_data
 
     directory = tmp_path_factory.mktemp("short_docs")
     write_synthetic_data(directory, 512, 20_000, 12, seed=0, val_tokens=2048, phrases=50)

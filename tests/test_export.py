@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
 from ppt.evals import PPTLM, demo_examples, task_manager, write_choice_task  # noqa: E402
 from ppt.model import LlamaConfig, build_model, get_config  # noqa: E402
+from ppt.model_io import encoding_fingerprint, load_run  # noqa: E402
 from ppt.tokenizer import train_demo_tokenizer  # noqa: E402
 from scripts.export_hf import export_model, hf_state_dict  # noqa: E402
-from ppt.model_io import encoding_fingerprint, load_run  # noqa: E402
 
 TEXT = " ".join(
     f"Paragraph {i}: a generator yields values lazily; the caller resumes it with next() until StopIteration, "

@@ -258,8 +258,8 @@ def test_heads_longer_than_the_training_length_see_the_whole_prefix_after_reload
     evaluation loads it, exactly the heads whose window exceeds 64 become full-prefix; resuming sees no mismatch, also
     from a checkpoint saved before the training length was recorded."""
     from ppt import checkpoint as ckpt
-    from scripts import base_train
     from ppt.model_io import build_from_checkpoint, load_run
+    from scripts import base_train
 
     def train(*extra: str) -> None:
         sizes = "--seq-len 64 --device-batch-size 2 --total-batch-tokens 128 --target-tokens 1e6 --eval-tokens 256"
