@@ -24,10 +24,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+import ppt.model
 from ppt.common import PPTError, run_cli
 from ppt.data import DataLoader, shard_path, write_shard
 from ppt.loss_eval import evaluate_bpb
-from ppt.model_io import build_from_checkpoint, load_run, load_tokenizer_for
+from ppt.model_io import ModelFile, load_run, load_tokenizer_for
 from ppt.tokenizer import Tokenizer
 
 
@@ -57,8 +58,9 @@ def main(argv: list[str] | None = None) -> None:
         raise PPTError("transformers is not installed: uv sync --extra eval") from exc
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on a GPU too
     device = torch.device(args.device)
-    run = load_run(hf_dir=args.hf_dir)
-    model = build_from_checkpoint(run, device)
+    model_file = ModelFile.of(ppt.model)
+    run = load_run(hf_dir=args.hf_dir, model_file=model_file)
+    model = model_file.build_from_checkpoint(run, device)
     tokenizer, _ = load_tokenizer_for(run)
     reference = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).to(device).eval()
     print(f"{args.hf_dir}: {run.config}; torch {torch.__version__}, {device}, fp32")

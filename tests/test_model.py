@@ -257,8 +257,9 @@ def test_heads_longer_than_the_training_length_see_the_whole_prefix_after_reload
     """Trained on 64-token rows of a model whose max_seq_len is 256: at eval, reloaded from the checkpoint the way
     evaluation loads it, exactly the heads whose window exceeds 64 become full-prefix; resuming sees no mismatch, also
     from a checkpoint saved before the training length was recorded."""
+    import ppt.model
     from ppt import checkpoint as ckpt
-    from ppt.model_io import build_from_checkpoint, load_run
+    from ppt.model_io import ModelFile, load_run
     from scripts import base_train
 
     def train(*extra: str) -> None:
@@ -269,7 +270,7 @@ def test_heads_longer_than_the_training_length_see_the_whole_prefix_after_reload
     train("--max-steps", "2")
     run = load_run(checkpoint=tmp_path)
     assert run.config["train_seq_len"] == 64 and run.config["max_seq_len"] == 256
-    model = build_from_checkpoint(run)
+    model = ModelFile.of(ppt.model).build_from_checkpoint(run)
     for block in model.blocks:
         trained = block.s_w.detach().exp() + 1
         assert ((trained > 64) & (trained <= 256)).any()  # heads that only the training length makes full-prefix
