@@ -53,10 +53,12 @@ from ppt.common import (
     warn0,
     wrap_ddp,
 )
+from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
-from ppt.flops import ComparisonFlops, comparison_flops_rule, mfu_flops_per_token, peak_flops
+from ppt.devices import peak_flops
+from ppt.flops import mfu_flops_per_token
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
-from ppt.model import CONFIGS, build_model, get_config
+from ppt.model import CONFIGS, DEFAULT_CONFIG, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.report import RunReport
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "beside it override (e.g. --tag NAME to run it again elsewhere, --resume auto to continue it)",
     )
     g = p.add_argument_group("model")
-    g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)} (default smollm-360m unless --depth)")
+    g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)} (default {DEFAULT_CONFIG} unless --depth)")
     g.add_argument("--depth", type=positive_int, help="the scaling dial: width and heads derived from depth")
     g = p.add_argument_group("data and batch")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default <cache>/data/fineweb-edu)")
@@ -266,7 +268,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
 
     # ---- model config, tokenizer and data ----------------------------------------------------------------------
     if args.config is None and args.depth is None:
-        args.config = "smollm-360m"
+        args.config = DEFAULT_CONFIG
     config = get_config(args.config, args.depth)
     data_dir = args.data_dir or default_data_dir()
     tokenizer = load_data_tokenizer(data_dir)
@@ -354,7 +356,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         return wall_offset + time.perf_counter() - started
 
     # ---- FLOPs, read from the (resumed) model: learned windows are the trained ones -----------------------------
-    flops = mfu_flops_per_token(model, seq_len)  # the MFU convention: a throughput figure
+    try:
+        flops, untraced = mfu_flops_per_token(model, seq_len), None  # the MFU convention: a throughput figure
+    except PPTError as exc:  # a forward that does not run on meta trains all the same, without MFU
+        flops, untraced = None, str(exc)
     peak = peak_flops(rt.device, rt.dtype)
     comparison = state.get("comparison")  # the comparison rule: what runs are compared by
     if comparison:
@@ -364,7 +369,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         rule, rule_step, comparison_flops = comparison_flops_rule(model, seq_len), start_step, 0
         if start_step:
             warn0(f"{resume_path} predates comparison FLOPs: they are counted from step {start_step} on")
-    if (warning := rule.warning()) and rt.is_master:
+    warnings = [rule.warning()] if rule.warning() else []
+    if untraced:  # one line when the rule's warning already says why the trace failed
+        warnings = [f"{warnings[0]}; no MFU either"] if rule.untraced else [f"no MFU: {untraced}", *warnings]
+    for warning in warnings:
         warn0(warning)
 
     # ---- the budget and the schedule --------------------------------------------------------------------------
@@ -476,12 +484,13 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         wandb_id = wandb_run.id
         report.update(wandb={"project": "ppt", "name": args.run, "id": wandb_id})
 
+    mfu_flops = f"{flops['mfu'] / 1e9:.4g}G" if flops else "not traced"
     print0(
         f"{tag}: {n_params / 1e6:.1f}M params, {total_steps} steps x {total_batch} tokens "
         f"(device batch {device_batch} x {seq_len}, accum {grad_accum}, world {rt.world_size}), "
         f"{rt.device} {str(rt.dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}, "
-        f"FLOPs/token {flops['mfu'] / 1e9:.4g}G (MFU convention), {rule.per_token() / 1e9:.4g}G (comparison rule, "
-        "one document per row)"
+        f"FLOPs/token {mfu_flops} (MFU convention), "
+        f"{rule.per_token() / 1e9:.4g}G (comparison rule, one document per row)"
     )
     epochs = total_steps * total_batch / train_loader.tokens_per_epoch
     if epochs > 1:
@@ -637,7 +646,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         tokens_seen += total_batch
         comparison_flops += rule.step_flops(counts)
         tok_per_s = total_batch / dt
-        mfu = flops["mfu"] * tok_per_s / (peak * rt.world_size) if peak else None
+        mfu = flops["mfu"] * tok_per_s / (peak * rt.world_size) if peak and flops else None
         memory_key, memory = memory_gb(rt.device)
         report.log_step(
             step=step,
@@ -792,7 +801,7 @@ def benchmark_summary(
     optimizer_times: list[float],
     profiled_steps: set[int],
     rt: object,
-    flops: dict,
+    flops: dict | None,
     peak: float | None,
     n_params: int,
 ) -> dict:
@@ -814,10 +823,9 @@ def benchmark_summary(
         "step_time_s": step_time,
         "data_share": mean("data_time") / step_time,
         "optimizer_share": sum(seconds for _, seconds in kept) / len(kept) / step_time,
-        "flops_per_token": flops["mfu"],
-        "flops_per_token_6n": flops["6n"],
+        **({"flops_per_token": flops["mfu"], "flops_per_token_6n": flops["6n"]} if flops else {}),
     }
-    if peak:
+    if peak and flops:
         summary["mfu"] = flops["mfu"] * tok_per_s / (peak * rt.world_size)
         summary["mfu_6n"] = flops["6n"] * tok_per_s / (peak * rt.world_size)
     if torch.cuda.is_available():

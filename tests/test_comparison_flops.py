@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader
-from ppt.flops import ComparisonFlops, comparison_flops_rule
 from ppt.model import build_model, get_config
 from scripts import base_train
 

@@ -15,8 +15,8 @@ import torch
 
 from ppt import checkpoint as ckpt
 from ppt.common import PPTError
+from ppt.comparison_flops import ComparisonFlops
 from ppt.data import DataLoader
-from ppt.flops import ComparisonFlops
 from scripts import base_eval, base_train
 
 
