@@ -26,9 +26,10 @@ from tqdm.auto import tqdm
 
 import ppt.model
 from ppt.common import ArgumentParser, PPTError, nonneg_float, positive_float, positive_int, run_cli, token_count
-from ppt.data import DataLoader, shard_path, write_shard
+from ppt.data import DataLoader
 from ppt.loss_eval import evaluate_bpb
 from ppt.model_io import ModelFile, load_run, load_tokenizer_for
+from ppt.shards import shard_path, write_shard
 from ppt.tokenizer import Tokenizer
 
 

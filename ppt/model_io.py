@@ -28,7 +28,7 @@ from torch import nn
 
 from ppt import checkpoint as ckpt
 from ppt.common import PPTError, cache_dir
-from ppt.data import default_data_dir, load_data_tokenizer
+from ppt.shards import default_data_dir, load_data_tokenizer
 from ppt.tokenizer import Tokenizer, load_tokenizer
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from ppt.data import shard_path, write_meta, write_shard
+from ppt.shards import shard_path, write_meta, write_shard
 from ppt.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
 
 

@@ -46,9 +46,10 @@ from ppt.common import (
     shutdown_runtime,
     token_count,
 )
-from ppt.data import DataLoader, list_shards, read_shard
+from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
 from ppt.model_io import LoadedRun, ModelFile, load_run, load_tokenizer_for
+from ppt.shards import list_shards, read_shard
 from ppt.tokenizer import Tokenizer
 
 

@@ -36,9 +36,7 @@ from ppt.common import (
     Number,
     PPTError,
     cache_dir,
-    hold_lock,
     init_runtime,
-    lock_directory,
     maybe_compile,
     nonneg_float,
     nonneg_int,
@@ -46,7 +44,6 @@ from ppt.common import (
     positive_float,
     positive_int,
     print0,
-    release_locks,
     run_cli,
     shutdown_runtime,
     token_count,
@@ -54,14 +51,16 @@ from ppt.common import (
     wrap_ddp,
 )
 from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
-from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
+from ppt.data import DataLoader
 from ppt.devices import peak_flops
 from ppt.flops import mfu_flops_per_token
+from ppt.locks import hold_lock, lock_directory, release_locks
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
 from ppt.model import CONFIGS, DEFAULT_CONFIG, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.report import RunReport
+from ppt.shards import default_data_dir, load_data_tokenizer
 
 # Published recipes, as their public configurations state them; flags given beside --recipe override single values.
 MOR_BATCH_TOKENS = 2_097_152  # 1024 rows of 2048 tokens

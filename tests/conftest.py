@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ppt.data import write_shard
+from ppt.shards import write_shard
 
 # Set before any test module imports huggingface_hub, which reads these once at import.
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -236,8 +236,9 @@ def test_one_micro_batch_per_rank_equals_one_process_accumulating_the_same_micro
 
 def test_ranks_train_on_disjoint_rows_whose_union_is_the_one_rank_batch(runs, demo_data_dir):
     """The first step's logged loss is the mean of the losses of rank 0's and rank 1's rows, and those differ."""
-    from ppt.data import DataLoader, load_data_tokenizer
+    from ppt.data import DataLoader
     from ppt.model import build_model, get_config
+    from ppt.shards import load_data_tokenizer
 
     def first_step_rows(batch_size: int, rank: int, world: int) -> tuple[torch.Tensor, ...]:
         loader = DataLoader(demo_data_dir, "train", batch_size, SEQ_LEN, rank, world, seed=0)

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import ppt.model  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
-from ppt.data import load_data_tokenizer  # noqa: E402
 from ppt.model import LlamaConfig  # noqa: E402
 from ppt.model_io import ModelFile, load_run, load_tokenizer_for  # noqa: E402
+from ppt.shards import load_data_tokenizer  # noqa: E402
 
 MODEL_FILE = ModelFile.of(ppt.model)
 

@@ -29,11 +29,11 @@ import pytest
 import torch
 
 from ppt import checkpoint as ckpt
-from ppt import common
+from ppt import locks
 from ppt.common import PPTError
-from ppt.data import read_shard, write_shard
 from ppt.model import build_model, get_config
 from ppt.report import RunReport
+from ppt.shards import read_shard, write_shard
 from scripts import base_train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -182,7 +182,7 @@ def test_a_second_run_on_the_same_directory_stops_naming_the_first_and_sigterm_r
         log.append(line)
         if line.startswith("step "):
             break
-    assert (out / common.LOCK_NAME).is_file(), "".join(log)
+    assert (out / locks.LOCK_NAME).is_file(), "".join(log)
     with pytest.raises(PPTError) as second:
         train(train_argv(demo_data_dir, out, "second"))
     assert re.search(
@@ -193,7 +193,7 @@ def test_a_second_run_on_the_same_directory_stops_naming_the_first_and_sigterm_r
     proc.wait()
     watchdog.cancel()
     assert proc.returncode == 128 + signal.SIGTERM, "".join(log)
-    assert not (out / common.LOCK_NAME).exists() and ckpt.latest_checkpoint(out) is not None
+    assert not (out / locks.LOCK_NAME).exists() and ckpt.latest_checkpoint(out) is not None
     assert not list(out.glob("second*")) and manifest(out, "first")["stopped_at"] >= 1
 
 
@@ -588,8 +588,8 @@ def make_bad_inputs(work: Path, data: Path) -> None:
                     fingerprint=info.tokenizer_fingerprint, demo=True, tokenizer_name=info.tokenizer_name)  # fmt: skip
     # runs held by a live process (this one), and a checkpoint dir left empty beside a real run
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": "now",
-             "argv": ["base_train", "--tag", "busy"], "process_start": common._process_start(os.getpid())}  # fmt: skip
-    for lock_file in (work / "busy" / common.LOCK_NAME, work / "cache" / "reports" / ".busy-tag.lock"):
+             "argv": ["base_train", "--tag", "busy"], "process_start": locks._process_start(os.getpid())}  # fmt: skip
+    for lock_file in (work / "busy" / locks.LOCK_NAME, work / "cache" / "reports" / ".busy-tag.lock"):
         lock_file.parent.mkdir(parents=True)
         lock_file.write_text(json.dumps(owner))
     (work / "cache" / "checkpoints" / "leftover").mkdir(parents=True)
