@@ -113,12 +113,13 @@ def init_runtime(device: str | None = None) -> Runtime:
     return Runtime(rank, local_rank, world_size, dev, autodetect_dtype(dev))
 
 
-def wrap_ddp(module: torch.nn.Module, rt: Runtime) -> DistributedDataParallel:
+def wrap_ddp(module: torch.nn.Module, rt: Runtime, find_unused_parameters: bool = False) -> DistributedDataParallel:
     """DDP for the training step: gradients live in the all-reduce buckets, and buffers are not broadcast per forward.
 
     A broadcast before every forward is one more collective per micro-batch, where the ranks wait on each other; the
     shipped models' only buffers are RoPE tables every rank computes alike. A model whose buffers change during
-    training (running statistics) must all-reduce them itself.
+    training (running statistics) must all-reduce them itself. `find_unused_parameters` (for a model some of whose
+    parameters get no gradient) makes DDP walk the autograd graph after every forward to find them.
     """
     # newer torch renamed the switch (the old name warns); the new one still syncs buffers once, at construction
     params = inspect.signature(DistributedDataParallel).parameters
@@ -127,6 +128,7 @@ def wrap_ddp(module: torch.nn.Module, rt: Runtime) -> DistributedDataParallel:
         module,
         device_ids=[rt.local_rank] if rt.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
+        find_unused_parameters=find_unused_parameters,
         **{no_forward_sync: False},
     )
 
@@ -234,6 +236,11 @@ nonneg_float = Number(float, 0, math.inf)
 MAX_TOKENS = 10**15  # a thousand trillion tokens: far past any run, and an int64 product with any batch
 token_count = Number(int, 1, MAX_TOKENS, scientific=True)
 nonneg_token_count = Number(int, 0, MAX_TOKENS, scientific=True)
+
+
+def few(names: list[str]) -> str:
+    """The first three names, and how many more: for messages that name what is wrong."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def format_sizes(*sizes: float) -> list[str]:

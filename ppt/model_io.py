@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ppt import checkpoint as ckpt
-from ppt.common import PPTError, cache_dir
+from ppt.common import PPTError, cache_dir, few
 from ppt.shards import default_data_dir, load_data_tokenizer
 from ppt.tokenizer import Tokenizer, load_tokenizer
 
@@ -258,11 +258,6 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
         except (OSError, SafetensorError) as exc:
             raise PPTError(f"cannot read {hf_dir / name} ({exc}); the folder is incomplete or corrupt") from exc
     return tensors
-
-
-def few(names: list[str]) -> str:
-    """The first three names, and how many more."""
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def load_hf_folder(hf_dir: str | Path, model_file: ModelFile) -> LoadedRun:

@@ -35,7 +35,9 @@ from ppt.common import (
     ArgumentParser,
     Number,
     PPTError,
+    Runtime,
     cache_dir,
+    few,
     init_runtime,
     maybe_compile,
     nonneg_float,
@@ -408,8 +410,19 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     compiled_model = maybe_compile(model, args.compile, rt.device, args.compile_mode)
     use_compile = compiled_model is not model
     train_model = compiled_model
+    find_unused = False
     if rt.distributed:
-        train_model = wrap_ddp(train_model, rt)
+        probe = DataLoader(data_dir, "train", 1, seq_len, rt.rank, rt.world_size, data_seed, rt.device, prefetch=0)
+        inputs, targets, doc_pos = next(probe)
+        unused = parameters_without_gradient(model, inputs, targets, None if args.no_doc_masks else doc_pos, rt)
+        if unused:  # DDP would wait for their gradients forever, then fail at the next step
+            find_unused = True
+            print0(
+                f"note: {len(unused)} parameters got no gradient in a first forward and backward ({few(unused)}); "
+                "DDP runs with find_unused_parameters=True, which searches the autograd graph for them after every "
+                "forward (slower)"
+            )
+        train_model = wrap_ddp(train_model, rt, find_unused_parameters=find_unused)
 
     # a benchmark writes no manifest: it must not overwrite the report of a real run with the same tag
     report = RunReport(tag, [cache_dir() / "reports", out_dir], enabled=rt.is_master and not args.benchmark)
@@ -436,6 +449,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             "device_batch_size": device_batch,
             "grad_accum": grad_accum,
             "world_size": rt.world_size,
+            "ddp_find_unused_parameters": find_unused,
             "optimizer": args.optimizer,
             "lr": lr,
             "optimizer_groups": optimizer_settings(optimizer),
@@ -606,7 +620,12 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             data_time += time.perf_counter() - t_data
             sync = micro == grad_accum - 1 or not rt.distributed
             with nullcontext() if sync else train_model.no_sync(), autocast(rt.device, rt.dtype):
-                loss = train_model(inputs, targets, doc_pos)
+                try:
+                    loss = train_model(inputs, targets, doc_pos)
+                except RuntimeError as exc:
+                    if error := unused_parameter_error(exc, step):
+                        raise error from exc
+                    raise
             (loss / grad_accum).backward()
             loss_sum += loss.detach()
         counts = train_loader.take_doc_pos_counts()
@@ -736,6 +755,33 @@ def first_step_doc_pos_counts(
         next(loader)
     counts = loader.take_doc_pos_counts()
     return np.full(seq_len, counts.sum() // seq_len, dtype=np.int64) if args.no_doc_masks else counts
+
+
+def parameters_without_gradient(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, doc_pos: torch.Tensor | None, rt: Runtime
+) -> list[str]:
+    """The trainable parameters that one forward and backward of a row leaves without a gradient on any rank (a
+    router's unchosen expert, an early exit): DDP must be told to look for them. Gradients and RNG are left as found."""
+    rng = ckpt.rng_state()
+    with autocast(rt.device, rt.dtype):
+        model(inputs, targets, doc_pos).backward()
+    mine = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    model.zero_grad(set_to_none=True)
+    ckpt.set_rng_state(rng)
+    every_rank: list[list[str] | None] = [None] * rt.world_size
+    torch.distributed.all_gather_object(every_rank, mine)
+    return sorted(set().union(*every_rank))
+
+
+def unused_parameter_error(exc: RuntimeError, step: int) -> PPTError | None:
+    """DDP's error for parameters that got no gradient in the step before, as one line with the fix; None for others."""
+    if "Expected to have finished reduction in the prior iteration" not in str(exc):
+        return None
+    return PPTError(
+        f"under DDP, some parameters got no gradient in step {step} though all had one in a first forward and backward "
+        "before training, so DDP runs without find_unused_parameters; make every parameter take part in every "
+        "step's loss in ppt/model.py (e.g. add 0 * p.sum() for a branch a step may skip)"
+    )
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
