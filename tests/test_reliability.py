@@ -383,12 +383,12 @@ class NoNetworkSocket(socket.socket):  # local sockets may be made (urllib3 prob
 socket.socket = NoNetworkSocket
 socket.getaddrinfo = socket.gethostbyname = socket.create_connection = blocked
 
-import ppt, scripts
+import bench, ppt, scripts
 
 # scripts.lm_eval registers a model with lm-eval when imported, which may happen once per process: imported here
 # after the cases, one of which runs it as __main__
 LATE = {"scripts.lm_eval"}
-names = [info.name for pkg in (ppt, scripts) for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
+names = [info.name for pkg in (ppt, scripts, bench) for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
 modules, failed = [], {}
 
 def import_all(names):
@@ -608,10 +608,12 @@ def make_bad_inputs(work: Path, data: Path) -> None:
 
 
 def entry_points(suffix: str) -> list[str]:
-    """What users start: every scripts/*.sh, and every scripts/*.py with a __main__ block (found, so that a new
-    script is covered without a test edit)."""
-    paths = sorted((REPO_ROOT / "scripts").glob(f"*{suffix}"))
-    return [p.name for p in paths if suffix == ".sh" or 'if __name__ == "__main__":' in p.read_text()]
+    """What users start and the measurement tools: every scripts/*.sh and bench/*.sh, and every .py there with a
+    __main__ block (found, so that a new script is covered without a test edit), as folder/name."""
+    paths = sorted(p for folder in ("scripts", "bench") for p in (REPO_ROOT / folder).glob(f"*{suffix}"))
+    return [
+        f"{p.parent.name}/{p.name}" for p in paths if suffix == ".sh" or 'if __name__ == "__main__":' in p.read_text()
+    ]
 
 
 def help_case(script: str, work: Path) -> dict:
@@ -622,8 +624,8 @@ def help_case(script: str, work: Path) -> dict:
     for place in places.values():
         place.mkdir(parents=True)
     env = {"PPT_CACHE": str(places["cache"]), "HOME": str(places["home"]), "TMPDIR": str(places["tmp"])}
-    module = f"scripts.{script.removesuffix('.py')}"
-    return {"id": f"help-{script}", "module": module, "args": ["--help"], "env": env, "cwd": str(places["cwd"])}
+    module = script.removesuffix(".py").replace("/", ".")
+    return {"id": f"help-{module}", "module": module, "args": ["--help"], "env": env, "cwd": str(places["cwd"])}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -684,7 +686,7 @@ def test_bad_input_prints_one_error_line_and_exits_2(script, args, env, message,
 
 @pytest.mark.parametrize("script", entry_points(".py"))
 def test_every_python_entry_point_answers_help_and_does_nothing_else(script, driver):
-    result = driver()["cases"][f"help-{script}"]
+    result = driver()["cases"][f"help-{script.removesuffix('.py').replace('/', '.')}"]
     assert result["rc"] == 0, result["stderr"]
     assert "usage:" in result["stdout"], result["stdout"]
     assert result["new_files"] == []  # nothing in its cache, home, temp or working directory
@@ -704,7 +706,7 @@ def test_every_shell_entry_point_answers_help_and_does_nothing_else(script, tmp_
         place.mkdir()
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "PPT_CACHE": str(places["cache"]), "HOME": str(places["home"])}
     out = subprocess.run(
-        ["bash", str(REPO_ROOT / "scripts" / script), "--help"],
+        ["bash", str(REPO_ROOT / script), "--help"],
         env={**env, "TMPDIR": str(places["tmp"])},
         capture_output=True,
         text=True,
