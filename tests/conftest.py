@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import runpy
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,3 +65,23 @@ def make_token_dir(tmp_path: Path) -> Callable[..., Path]:
         return tmp_path / "data"
 
     return write
+
+
+@pytest.fixture
+def run_tool(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[int, str, str]]:
+    """Returns run(module, *args): a measurement tool run as its command runs it (`python -m bench.NAME ARGS`, as
+    __main__), in this process, so tests use bench/ through its command line only; gives (exit status, stdout,
+    stderr)."""
+
+    def run(module: str, *args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", [module, *args])
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

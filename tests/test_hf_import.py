@@ -4,6 +4,7 @@ adapter score an imported folder with the code that scores ppt runs."""
 
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -167,14 +168,12 @@ def test_a_folder_needs_data_made_by_its_tokenizer(hf_folder, demo_data_dir, tmp
         load_tokenizer_for(load_run(hf_dir=other, model_file=MODEL_FILE), demo_data_dir)
 
 
-def test_check_hf_import_compares_logits_and_scores_the_help_topics(hf_folder, capsys):
-    from bench import check_hf_import
-
+def test_check_hf_import_compares_logits_and_scores_the_help_topics(hf_folder, run_tool):
     directory, _ = hf_folder
     argv = ["--hf-dir", str(directory), "--seq-len", "48", "--eval-tokens", "480"]
-    check_hf_import.main([*argv, "--max-bpb", "100"])  # a random model: only the logits are expected to agree
-    shown = capsys.readouterr().out
+    code, shown, err = run_tool("bench.check_hf_import", *argv, "--max-bpb", "100")  # a random model: logits agree
+    assert code == 0, err
     assert "logits of 2 rows x 48 tokens: max |ppt - transformers| =" in shown and "over 480 tokens" in shown
     assert "check passed" in shown
-    with pytest.raises(PPTError, match="check failed: bpb .* is not below --max-bpb 0.5"):
-        check_hf_import.main([*argv, "--max-bpb", "0.5"])
+    code, _, err = run_tool("bench.check_hf_import", *argv, "--max-bpb", "0.5")
+    assert code == 2 and re.fullmatch(r"error: check failed: bpb .* is not below --max-bpb 0.5", err.splitlines()[-1])

@@ -383,12 +383,12 @@ class NoNetworkSocket(socket.socket):  # local sockets may be made (urllib3 prob
 socket.socket = NoNetworkSocket
 socket.getaddrinfo = socket.gethostbyname = socket.create_connection = blocked
 
-import bench, ppt, scripts
+import ppt, scripts  # bench/'s tools run below as commands (their --help), under the same blocked network
 
 # scripts.lm_eval registers a model with lm-eval when imported, which may happen once per process: imported here
 # after the cases, one of which runs it as __main__
 LATE = {"scripts.lm_eval"}
-names = [info.name for pkg in (ppt, scripts, bench) for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
+names = [info.name for pkg in (ppt, scripts) for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
 modules, failed = [], {}
 
 def import_all(names):
