@@ -20,13 +20,13 @@ import torch
 from ppt.common import ArgumentParser, init_runtime, maybe_compile, positive_int, run_cli, token_count
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
-from ppt.model import build_model, get_config
+from ppt.model import DEFAULT_CONFIG, build_model, get_config
 from ppt.synthetic import synthetic_tokenizer, write_synthetic_data
 
 
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="smollm-360m")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"a config of ppt/model.py (default {DEFAULT_CONFIG})")
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--batch-size", default="16", help="comma list of rows per forward")
     p.add_argument("--eval-tokens", type=token_count, default=DEFAULT_EVAL_TOKENS)

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from ppt.common import ArgumentParser, Number, PPTError, positive_int, run_cli, token_count
+from ppt.model import DEFAULT_CONFIG
 from ppt.synthetic import write_synthetic_data
 
 
@@ -46,7 +47,7 @@ def run_variant(base_args: list[str], extra: list[str], nproc: int) -> tuple[dic
 
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="smollm-360m")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"a config of ppt/model.py (default {DEFAULT_CONFIG})")
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--device-batch-size", type=positive_int, default=16)
     p.add_argument("--total-batch-tokens", type=token_count, help="default: one device batch (no accumulation)")
