@@ -7,6 +7,7 @@ python -m scripts.base_train --from-manifest RUN.json --tag rerun   # relaunch a
 python -m scripts.base_train ... --resume auto             # continue a stopped or killed run from its newest checkpoint
 
 A run owns its checkpoint directory and its name (--tag) while it runs: a second run with either stops at once.
+One file of ~900 lines on purpose, as nanoGPT's train.py: the loop reads top to bottom, set-up to the last save.
 """
 
 from __future__ import annotations

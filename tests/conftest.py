@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import third_arch
+import torch
 
 import ppt.model
 from ppt.shards import write_shard
@@ -24,6 +25,16 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 DEMO_VOCAB = 512  # small enough that training and tokenizing the demo corpus take well under a second
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`): tiny steps gain
+    nothing from threads, and on a shared 2-core machine spinning threads slow everyone down."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -223,12 +223,7 @@ def step_rows(out: Path) -> list[tuple[int, int, float]]:
     return [(h["step"], h["comparison_flops"], h["loss"]) for h in history if "loss" in h]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_a_run_counts_the_documents_of_the_batches_it_trained_on(short_docs, tmp_path):

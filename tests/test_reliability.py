@@ -40,14 +40,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY, BATCH_TOKENS = 12, 4, 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny steps gain nothing from threads, and on a shared 2-core machine spinning threads slow everyone down;
-    the SIGKILL test's child runs single-threaded too (OMP_NUM_THREADS), so it computes bit for bit the same."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One thread (conftest.py); the SIGKILL test's child runs single-threaded too (OMP_NUM_THREADS), so it computes bit
+# for bit the same.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_argv(data_dir: Path, out_dir: Path, tag: str, *extra: str) -> list[str]:

@@ -19,13 +19,7 @@ from ppt.comparison_flops import ComparisonFlops
 from ppt.data import DataLoader
 from scripts import base_eval, base_train
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def train(argv: list[str]) -> None:

@@ -13,20 +13,13 @@ from pathlib import Path
 
 import pytest
 import third_arch
-import torch
 
 import ppt.model
 from ppt.common import PPTError
 from scripts import base_eval, base_train, export_hf
 from scripts.compare import compare
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def train(data: Path, out: Path, config: str) -> dict:
