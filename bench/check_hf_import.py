@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 import ppt.model
-from ppt.common import ArgumentParser, PPTError, nonneg_float, positive_float, positive_int, run_cli, token_count
+from ppt.common import ArgumentParser, PPTError, positive_float, positive_int, run_cli, token_count
 from ppt.data import DataLoader
 from ppt.loss_eval import evaluate_bpb
 from ppt.model_io import ModelFile, load_run, load_tokenizer_for
@@ -35,21 +35,20 @@ from ppt.tokenizer import Tokenizer
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf-dir", type=Path, help="a Hugging Face Llama folder (config.json + safetensors); required")
+    p.add_argument("--hf-dir", type=Path, required=True, help="a Hugging Face Llama folder (config.json + safetensors)")
     p.add_argument("--device", default="cpu", help="where both models run, in fp32 (default cpu)")
     p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per row (default 2048)")
     p.add_argument(
         "--batch-size", type=positive_int, default=2, help="rows per forward; the first batch's logits are compared"
     )
     p.add_argument("--eval-tokens", type=token_count, default=2**15, help="text tokens to score (default 32,768)")
-    p.add_argument("--atol", type=nonneg_float, default=1e-3, help="largest |logit difference| accepted (default 1e-3)")
+    p.add_argument(
+        "--atol", type=positive_float, default=1e-3, help="largest |logit difference| accepted (default 1e-3)"
+    )
     p.add_argument(
         "--max-bpb", type=positive_float, default=2.0, help="bits per byte a trained model stays below (default 2)"
     )
-    args = p.parse_args(argv)
-    if args.hf_dir is None:
-        raise PPTError("say which folder to check: --hf-dir PATH (config.json + safetensors)")
-    return args
+    return p.parse_args(argv)
 
 
 def help_topics_stream(tokenizer: Tokenizer) -> np.ndarray:

@@ -186,10 +186,16 @@ def test_every_numeric_flag_declares_its_range(module):
 def test_bad_numbers_stop_with_one_line_naming_the_flag_the_value_and_what_it_takes(module, kind, capsys):
     parser = parser_of(module)
     value = BAD_VALUES[kind]
+    # required arguments get a placeholder, so that an accepted value parses
+    required = [x for a in parser._actions if a.required for x in ([a.option_strings[-1]] if a.option_strings else [])]
+    placeholders = [x for flag in required for x in (flag, "x")]
+    placeholders += ["x" for a in parser._actions if a.required and not a.option_strings]
     wrong = []
     for flag, check in numeric_flags(parser).items():
         if accepts(check, kind):
-            parsed = vars(parser.parse_args([f"{flag}={value}"]))[parser._option_string_actions[flag].dest]
+            parsed = vars(parser.parse_args([*placeholders, f"{flag}={value}"]))[
+                parser._option_string_actions[flag].dest
+            ]
             if parsed != check.kind(float(value)):
                 wrong.append(f"{flag}={value} parsed as {parsed!r}")
             continue

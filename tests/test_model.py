@@ -205,10 +205,11 @@ def test_heads_longer_than_the_training_length_see_the_whole_prefix_after_reload
     assert load_run(checkpoint=tmp_path).state["step"] == 3
 
 
-def test_multiscreen_embedding_rows_start_at_the_papers_norm():
+def test_multiscreen_embedding_rows_start_near_unit_norm():
     model = fresh("multiscreen-tiny")
     row_norms = model.embed.norm(dim=-1)
-    assert abs(row_norms.mean().item() - 0.1) < 0.005  # 0.1 / sqrt(d) per entry, as in the paper
+    # 1 / sqrt(d) per entry: the H200 A/B's choice, not the paper's 0.1
+    assert abs(row_norms.mean().item() - 1.0) < 0.05
 
 
 def test_multiscreen_sizes():
