@@ -16,7 +16,7 @@ import torch
 import ppt.model
 from ppt.shards import write_shard
 
-# A third architecture joins ppt/model.py for the session, before any test module imports it: every test that
+# A third architecture joins ppt/model.py for the whole test run, before any test module imports it: every test that
 # discovers the architectures runs on it as on the shipped two (tests/third_arch.py).
 third_arch.register(ppt.model)
 

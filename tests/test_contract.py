@@ -2,7 +2,7 @@
 
 The architectures are found, not listed: one config per config class in CONFIGS, the one with the fewest parameters.
 An architecture added to model.py is therefore tested here without an edit to this file; tests/third_arch.py is one
-(registered for the session by conftest.py), and the last test checks that it is picked up.
+(registered for the whole test run by conftest.py), and the last test checks that it is picked up.
 """
 
 import ast
@@ -245,7 +245,7 @@ def test_the_forward_runs_on_meta_so_flops_are_traced(name):
 
 
 def test_an_architecture_added_to_model_py_runs_in_every_contract_test():
-    """tests/third_arch.py, added to ppt/model.py for the session, is found and tested like the shipped two."""
+    """tests/third_arch.py, added to ppt/model.py for the test run, is found and tested like the shipped two."""
     assert ARCHITECTURES == ["gpt2-tiny", "multiscreen-tiny", "tiny"]
     marks = {name: getattr(test, "pytestmark", []) for name, test in globals().items() if name.startswith("test_")}
     contract_tests = [name for name, found in marks.items() if any(m.args[1] is ARCHITECTURES for m in found)]

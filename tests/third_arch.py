@@ -3,7 +3,7 @@ decoder (pre-norm LayerNorm with biases, GELU MLP, learned positions indexed by 
 contract of SPEC.md alone.
 
 `register(ppt.model)` adds its configs to CONFIGS and its class to build_model, the two edits model.py would get.
-conftest.py registers it for the whole test session, so every test that discovers the architectures of model.py
+conftest.py registers it for the whole test run, so every test that discovers the architectures of model.py
 runs on it too (test_contract.py counts them); test_ddp.py's workers register it in their own processes.
 
 `spare_calls` gives the model a spare linear layer that only its first `spare_calls` forwards on data use (a router
