@@ -1,19 +1,14 @@
 """Shared runtime plumbing: device and dtype autodetect, DDP from torchrun's environment, logging, cache dir,
-command-line number checks, and the lock that gives a run sole use of its output directory."""
+atomic writes and command-line number checks. The lock that gives a run sole use of its output directory is
+ppt/locks.py."""
 
 from __future__ import annotations
 
 import argparse
-import atexit
-import errno
 import inspect
-import json
 import math
 import os
-import socket
 import sys
-import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -118,12 +113,13 @@ def init_runtime(device: str | None = None) -> Runtime:
     return Runtime(rank, local_rank, world_size, dev, autodetect_dtype(dev))
 
 
-def wrap_ddp(module: torch.nn.Module, rt: Runtime) -> DistributedDataParallel:
+def wrap_ddp(module: torch.nn.Module, rt: Runtime, find_unused_parameters: bool = False) -> DistributedDataParallel:
     """DDP for the training step: gradients live in the all-reduce buckets, and buffers are not broadcast per forward.
 
     A broadcast before every forward is one more collective per micro-batch, where the ranks wait on each other; the
     shipped models' only buffers are RoPE tables every rank computes alike. A model whose buffers change during
-    training (running statistics) must all-reduce them itself.
+    training (running statistics) must all-reduce them itself. `find_unused_parameters` (for a model some of whose
+    parameters get no gradient) makes DDP walk the autograd graph after every forward to find them.
     """
     # newer torch renamed the switch (the old name warns); the new one still syncs buffers once, at construction
     params = inspect.signature(DistributedDataParallel).parameters
@@ -132,6 +128,7 @@ def wrap_ddp(module: torch.nn.Module, rt: Runtime) -> DistributedDataParallel:
         module,
         device_ids=[rt.local_rank] if rt.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
+        find_unused_parameters=find_unused_parameters,
         **{no_forward_sync: False},
     )
 
@@ -241,6 +238,11 @@ token_count = Number(int, 1, MAX_TOKENS, scientific=True)
 nonneg_token_count = Number(int, 0, MAX_TOKENS, scientific=True)
 
 
+def few(names: list[str]) -> str:
+    """The first three names, and how many more: for messages that name what is wrong."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def format_sizes(*sizes: float) -> list[str]:
     """Byte counts, each in its unit (B, kB, MB, GB, TB), with as many decimals (up to 3) as it takes for different
     sizes to read differently: 21.37 MB and 21.60 MB, never 0.02 GB and 0.02 GB."""
@@ -253,172 +255,6 @@ def format_sizes(*sizes: float) -> list[str]:
         if len(set(texts)) == len(set(sizes)):
             break
     return texts
-
-
-# ---- one run per output directory ---------------------------------------------------------------------------------
-
-LOCK_NAME = ".ppt.lock"
-
-
-@dataclass(frozen=True)
-class Lock:
-    """A lock file this process holds: JSON naming its owner, removed by `release`."""
-
-    path: Path
-    token: str
-    pid: int
-
-    def release(self) -> None:
-        """Remove the lock file if it is still this process's (never in a forked child, never another's lock)."""
-        if os.getpid() != self.pid:
-            return
-        try:
-            if json.loads(self.path.read_text()).get("token") == self.token:
-                self.path.unlink()
-        except (OSError, ValueError):
-            pass
-
-
-_held_locks: list[Lock] = []
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (Linux; None elsewhere or when there is no such pid)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _process_start(pid: int) -> str | None:
-    """When the kernel started a process: tells a lock's owner from a newer process that reuses its pid."""
-    fields = _proc_stat(pid)
-    return fields[19] if fields and len(fields) > 19 else None  # field 22 of stat, starttime
-
-
-def _owner_alive(owner: dict) -> bool:
-    pid = int(owner["pid"])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        pass
-    fields = _proc_stat(pid)
-    if fields is None:  # no /proc: the pid exists, take it for the owner
-        return True
-    started = owner.get("process_start")
-    return fields[0] != "Z" and (started is None or _process_start(pid) == started)  # Z: killed, not yet reaped
-
-
-def _read_owner(lock_file: Path, what: str) -> dict | None:
-    """The owner recorded in a lock file; None when the file vanished meanwhile (its owner released it)."""
-    try:
-        owner = json.loads(lock_file.read_text())
-        if not isinstance(owner, dict) or "pid" not in owner:
-            raise ValueError("no pid")
-        return owner
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise PPTError(f"the lock file {lock_file} is unreadable ({exc}); if no run uses {what}, delete it") from exc
-
-
-def _describe_owner(owner: dict) -> str:
-    command = " ".join(str(arg) for arg in owner.get("argv", []))
-    return f"pid {owner['pid']} on {owner.get('host')}, started {owner.get('started')}" + (
-        f" (`{command}`)" if command else ""
-    )
-
-
-def lock_directory(directory: Path, fix: str) -> Lock:
-    """Give this process sole use of `directory` (created if missing) through `directory/.ppt.lock`."""
-    directory = Path(directory)
-    return hold_lock(directory / LOCK_NAME, str(directory), fix)
-
-
-def hold_lock(lock_file: Path, what: str, fix: str) -> Lock:
-    """Give this process sole use of `what` through `lock_file` until `release_locks()` or exit.
-
-    A live owner on this host, or any owner on another host (whose liveness this host cannot see), stops this run
-    with a PPTError naming the owner and `fix`. A lock left by a dead process on this host is taken over, with a
-    warning. The lock file appears whole or not at all (hard-linked from a complete temp file).
-    """
-    lock_file = Path(lock_file)
-    host = socket.gethostname()
-    owner = {
-        "pid": os.getpid(),
-        "host": host,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "argv": sys.argv,
-        "process_start": _process_start(os.getpid()),
-        "token": uuid.uuid4().hex,
-    }
-    tmp = temp_path(lock_file)
-    try:
-        lock_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(owner))
-    except OSError as exc:
-        raise PPTError(f"cannot write into {lock_file.parent} ({exc.strerror or exc}); {fix}") from exc
-    try:
-        for _ in range(3):  # a lock released, or a dead owner's lock moved away, between two looks: look again
-            if _link(tmp, lock_file):
-                break
-            found = _read_owner(lock_file, what)
-            if found is None:
-                continue
-            if found.get("host") != host:
-                raise PPTError(
-                    f"{what} is locked by {_describe_owner(found)}, another host, which this one cannot check; "
-                    f"{fix}, or if that run has ended, delete {lock_file}"
-                )
-            if _owner_alive(found):
-                raise PPTError(f"{what} is in use by another run: {_describe_owner(found)}; wait for it, or {fix}")
-            moved = lock_file.with_name(f"{lock_file.name}.{os.getpid()}.stale")
-            try:
-                os.rename(lock_file, moved)
-            except FileNotFoundError:
-                continue
-            if json.loads(moved.read_text()).get("token") != found.get("token"):
-                _link(moved, lock_file)  # another run took the dead lock over first: its lock goes back
-                moved.unlink()
-                continue
-            moved.unlink()
-            warn0(f"{what} was locked by {_describe_owner(found)}, which is no longer running; taking it over")
-        else:
-            raise PPTError(f"could not lock {what}: other runs keep taking and releasing it; {fix}")
-    finally:
-        tmp.unlink(missing_ok=True)
-    lock = Lock(lock_file, owner["token"], owner["pid"])
-    if not _held_locks:
-        atexit.register(release_locks)
-    _held_locks.append(lock)
-    return lock
-
-
-def _link(source: Path, lock_file: Path) -> bool:
-    """Create lock_file with source's content unless it exists; True when this call created it."""
-    try:
-        os.link(source, lock_file)
-        return True
-    except FileExistsError:
-        return False
-    except OSError as exc:  # a filesystem without hard links: exclusive create, then write
-        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-            raise
-    try:
-        fd = os.open(lock_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "wb") as f:
-        f.write(source.read_bytes())
-    return True
-
-
-def release_locks() -> None:
-    """Release every lock this process holds (scripts call it when they finish; also run at exit)."""
-    while _held_locks:
-        _held_locks.pop().release()
 
 
 def run_cli(main: Callable[[], object]) -> None:

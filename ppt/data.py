@@ -1,270 +1,28 @@
-"""Token shards on disk, and the loader that packs them into training rows.
-
-Shard format, version 1. A fixed 1024-byte little-endian header, then the tokens:
-
-    offset  bytes  field
-    0       8      magic b"PPTSHARD"
-    8       4      format version, uint32 (1)
-    12      4      bytes per token, uint32: 2 (uint16 tokens, vocab <= 65536) or 4 (uint32 tokens)
-    16      8      token count, uint64
-    24      4      vocab size, uint32
-    28      4      EOT id, uint32
-    32      4      flags, uint32: bit 0 set when the offline demo tokenizer made the tokens; bit 1 when offset 164
-                   holds the largest token id
-    36      32     tokenizer fingerprint: sha256 digest of the canonical tokenizer JSON
-    68      32     sha256 digest of the token bytes (so a hash of the headers covers the content)
-    100     64     tokenizer name, UTF-8, NUL-padded
-    164     4      the largest token id in the shard, uint32 (shards written before it existed: 0, bit 1 unset)
-    168     856    zeros
-    1024    ...    the tokens
-
-The token stream of every shard starts with EOT and every document is followed by EOT, so each document is preceded
-by the EOT that begins it (SPEC.md, "Documents and packing").
-
-Data directory (made by `python -m scripts.prepare_fineweb`):
-
-    <data_dir>/val_00000.bin        the first documents of the source
-    <data_dir>/train_00000.bin ...  the documents after them; never overlapping val
-    <data_dir>/tokenizer.json       the tokenizer that made the shards
-    <data_dir>/meta.json            source, tokenizer (name, fingerprint, is_demo), doc and token counts, progress
+"""The loader that packs token shards (ppt/shards.py) into training rows, for every rank.
 
 Packing: each shard's stream is cut into rows of T+1 consecutive tokens, row i = tokens[i*T : i*T+T+1]; inputs are
-row[:-1] and targets row[1:]. `doc_pos` restarts at 0 at every EOT in the inputs and at the row start (a fragment
-at a row start is treated as a fresh document). Each epoch permutes the shard order and the row order inside each
-shard from (seed, epoch); global row g goes to rank g % world_size, so ranks are disjoint and together cover the
-epoch (the last < world_size rows of an epoch are dropped so every rank gets as many).
+row[:-1] and targets row[1:]. `doc_pos` restarts at 0 at every EOT in the inputs and at the row start (a fragment at
+a row start is treated as a fresh document). Each epoch permutes the shard order and the row order inside each shard
+from (seed, epoch). Training rows go to the ranks in blocks of a batch, in turn (the rows after the last whole round
+of blocks one at a time): rank r's batch holds the rows micro-batch r of one process with the same batch size would
+read, so N ranks sum the gradients one process accumulating N micro-batches sums. Val rows go round-robin (global
+row g to rank g % world_size). Ranks are disjoint and together cover the epoch; its last rows, fewer than one per
+rank, are dropped so every rank gets as many.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import queue
-import struct
 import threading
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from ppt.common import PPTError, atomic_file, cache_dir, warn0
-from ppt.tokenizer import Tokenizer, load_tokenizer
-
-MAGIC = b"PPTSHARD"
-VERSION = 1
-HEADER_BYTES = 1024
-_HEADER = struct.Struct("<8sIIQIII32s32s64sI")
-FLAG_DEMO = 1
-FLAG_MAX_ID = 2
-SPLITS = ("train", "val")
-PREPARE_HINT = (
-    "create it with `python -m scripts.prepare_fineweb` (or `python -m scripts.prepare_fineweb --source demo` offline)"
-)
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """What a shard header says."""
-
-    path: Path
-    num_tokens: int
-    vocab_size: int
-    eot_id: int
-    dtype: np.dtype
-    tokenizer_fingerprint: str
-    tokenizer_name: str
-    is_demo: bool
-    tokens_sha256: str
-    max_token_id: int | None  # None in shards written before the header recorded it
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
-
-
-def _describe_tokenizer(name: str, fingerprint: str, is_demo: bool = False) -> str:
-    kind = " (the offline demo BPE)" if is_demo else ""
-    return f"{name or 'the tokenizer'}{kind} with fingerprint {fingerprint[:16]}"
-
-
-def write_shard(
-    path: str | Path,
-    tokens: np.ndarray,
-    *,
-    vocab_size: int,
-    eot_id: int,
-    fingerprint: str,
-    demo: bool,
-    tokenizer_name: str = "",
-) -> None:
-    """Write one shard atomically (temp file, then rename). The stream must start with EOT and fit the vocab."""
-    path = Path(path)
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-        raise PPTError(f"a shard needs a non-empty 1-D integer token array, got {tokens.dtype} shape {tokens.shape}")
-    out_of_vocab = (tokens < 0) | (tokens >= vocab_size)
-    if out_of_vocab.any():
-        pos = int(np.flatnonzero(out_of_vocab)[0])
-        raise PPTError(
-            f"token id {int(tokens[pos])} at position {pos} is outside the vocabulary (size {vocab_size}) of "
-            f"{tokenizer_name or 'the tokenizer'}; the tokens come from a different tokenizer than the one named"
-        )
-    if tokens[0] != eot_id:
-        raise PPTError(f"a shard's token stream must start with EOT ({eot_id}), got {int(tokens[0])}")
-    if len(fingerprint) != 64:
-        raise PPTError(f"tokenizer fingerprint must be a sha256 hex digest, got {fingerprint!r}")
-    data = tokens.astype(token_dtype(vocab_size), copy=False).tobytes()
-    tokens_sha256 = hashlib.sha256(data).digest()
-    name_bytes = tokenizer_name.encode("utf-8")[:64]
-    header = _HEADER.pack(
-        MAGIC,
-        VERSION,
-        token_dtype(vocab_size).itemsize,
-        tokens.size,
-        vocab_size,
-        eot_id,
-        FLAG_MAX_ID | (FLAG_DEMO if demo else 0),
-        bytes.fromhex(fingerprint),
-        tokens_sha256,
-        name_bytes,
-        int(tokens.max()),
-    ).ljust(HEADER_BYTES, b"\0")
-    with atomic_file(path) as f:
-        f.write(header)
-        f.write(data)
-
-
-def read_shard(
-    path: str | Path, expected_fingerprint: str | None = None, expected_name: str | None = None
-) -> tuple[ShardInfo, np.memmap]:
-    """Validate a shard's header and size and memory-map its tokens.
-
-    With `expected_fingerprint`, a shard made by another tokenizer raises PPTError naming both tokenizers.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise PPTError(f"shard {path} does not exist; {PREPARE_HINT}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_BYTES)
-    if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
-        raise PPTError(f"{path} is not a ppt shard (bad magic number); re-run prepare: {PREPARE_HINT}")
-    fields = _HEADER.unpack_from(raw)
-    _, version, itemsize, num_tokens, vocab_size, eot_id, flags, fp, tokens_sha, name, max_id = fields
-    if version != VERSION:
-        raise PPTError(f"{path} has shard format version {version}, this ppt reads {VERSION}; re-run prepare")
-    dtype = token_dtype(vocab_size)
-    if itemsize != dtype.itemsize:
-        raise PPTError(
-            f"{path} has a corrupt header ({itemsize} bytes per token for vocab {vocab_size}); re-run prepare"
-        )
-    expected_size = HEADER_BYTES + num_tokens * itemsize
-    if size != expected_size:
-        problem = "truncated shard" if size < expected_size else "shard has trailing bytes"
-        raise PPTError(
-            f"{path}: {problem} ({size} bytes, header says {expected_size}); delete it and re-run prepare, "
-            "which resumes where it stopped"
-        )
-    info = ShardInfo(
-        path,
-        num_tokens,
-        vocab_size,
-        eot_id,
-        dtype,
-        fp.hex(),
-        name.rstrip(b"\0").decode("utf-8", errors="ignore"),
-        bool(flags & FLAG_DEMO),
-        tokens_sha.hex(),
-        max_id if flags & FLAG_MAX_ID else None,
-    )
-    if expected_fingerprint is not None and info.tokenizer_fingerprint != expected_fingerprint:
-        made_by = _describe_tokenizer(info.tokenizer_name, info.tokenizer_fingerprint, info.is_demo)
-        raise PPTError(
-            f"{path} was tokenized with {made_by}, but this run expects "
-            f"{_describe_tokenizer(expected_name or '', expected_fingerprint)}; "
-            "use the tokenizer the shards were made with, or re-run prepare with this tokenizer into another --out"
-        )
-    tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
-    return info, tokens
-
-
-# ---- the data directory ------------------------------------------------------------------------------------------
-
-
-def default_data_dir(source: str = "fineweb") -> Path:
-    """Where prepare writes and training reads by default: per source under `cache_dir()/data/`."""
-    names = {"fineweb": "fineweb-edu", "demo": "demo"}
-    return cache_dir() / "data" / names.get(source, "local")
-
-
-def shard_path(data_dir: str | Path, split: str, index: int) -> Path:
-    return Path(data_dir) / f"{split}_{index:05d}.bin"
-
-
-def list_shards(data_dir: str | Path, split: str) -> list[Path]:
-    """The split's shards in index order; PPTError naming the prepare command when there are none."""
-    if split not in SPLITS:
-        raise PPTError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    data_dir = Path(data_dir)
-    if not data_dir.is_dir():
-        raise PPTError(f"data directory {data_dir} does not exist; {PREPARE_HINT}")
-    paths = sorted(data_dir.glob(f"{split}_[0-9][0-9][0-9][0-9][0-9].bin"))
-    if not paths:
-        raise PPTError(f"no {split} shards in {data_dir}; {PREPARE_HINT}")
-    return paths
-
-
-def read_meta(data_dir: str | Path) -> dict[str, Any]:
-    path = Path(data_dir) / "meta.json"
-    if not path.is_file():
-        raise PPTError(f"{path} is missing; {PREPARE_HINT}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise PPTError(f"{path} is not valid JSON ({exc}); delete the data directory and re-run prepare") from exc
-
-
-def write_meta(data_dir: str | Path, meta: dict[str, Any]) -> None:
-    with atomic_file(Path(data_dir) / "meta.json") as f:
-        f.write(json.dumps(meta, indent=2).encode("utf-8"))
-
-
-def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:
-    """The tokenizer that made this directory's shards, with the name and demo flag prepare recorded."""
-    recorded = read_meta(data_dir)["tokenizer"]
-    loaded = load_tokenizer(Path(data_dir) / "tokenizer.json")
-    if loaded.fingerprint != recorded["fingerprint"]:
-        raise PPTError(
-            f"{data_dir}/tokenizer.json does not match the fingerprint in meta.json; the directory was modified, "
-            "delete it and re-run prepare"
-        )
-    return Tokenizer(loaded.backend, recorded["name"], is_demo=recorded["is_demo"])
-
-
-def dataset_fingerprint(data_dir: str | Path) -> str:
-    """sha256 over every shard's name and header (headers hold a hash of the tokens): identifies the data."""
-    digest = hashlib.sha256()
-    for split in SPLITS:
-        for path in list_shards(data_dir, split):
-            with open(path, "rb") as f:
-                digest.update(path.name.encode() + f.read(HEADER_BYTES))
-    return digest.hexdigest()
-
-
-# ---- the loader --------------------------------------------------------------------------------------------------
-
-
-def _out_of_vocab(path: str | Path, token_id: int, vocab_size: int, where: str = "") -> str:
-    return (
-        f"{path} holds token id {token_id}{where}, but the model's vocabulary has {vocab_size} ids (0 to "
-        f"{vocab_size - 1}); the shard was made by another tokenizer or is damaged: prepare the data again into an "
-        "empty --out"
-    )
-
+from ppt.common import PPTError, warn0
+from ppt.shards import dataset_fingerprint, list_shards, out_of_vocab, read_shard
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # inputs int64 (B,T), targets int64 (B,T), doc_pos int32
 
@@ -354,7 +112,7 @@ class _RowSource:
             bad = int(np.flatnonzero((y >= self.vocab_size).any(axis=1) | (x[:, 0] >= self.vocab_size))[0])
             shard, row = locations[bad]
             found = max(int(y[bad].max()), int(x[bad, 0]))
-            raise PPTError(_out_of_vocab(self.tokens[shard].filename, found, self.vocab_size, f" (row {row})"))
+            raise PPTError(out_of_vocab(self.tokens[shard].filename, found, self.vocab_size, f" (row {row})"))
         positions = np.arange(T)
         # the latest document start at or before each position: an EOT, else the row start (position 0)
         last_start = np.maximum.accumulate(np.where(x == self.eot_id, positions, 0), axis=1)
@@ -485,7 +243,7 @@ class DataLoader:
         for info, tokens in shards:  # an id the model has no embedding for would crash it mid-run (CUDA: an assert)
             largest = info.max_token_id if info.max_token_id is not None else int(tokens.max())  # older shards: a pass
             if largest >= self.vocab_size:
-                raise PPTError(_out_of_vocab(info.path, largest, self.vocab_size))
+                raise PPTError(out_of_vocab(info.path, largest, self.vocab_size))
         self.tokenizer_fingerprint = first.tokenizer_fingerprint
         pin_memory = self.device.type == "cuda"  # page-locked host memory: the copy to the GPU runs asynchronously
         # training rows go to ranks in blocks of a batch (see _RowSource.global_row); val rows one at a time

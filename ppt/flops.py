@@ -18,8 +18,12 @@ Nothing reads config field names, so an edited model.py is measured as written:
 
 MFU (`mfu_flops_per_token`) follows nanochat/torchtitan: 6 FLOPs per matmul parameter per token (a tied head once),
 plus three times the forward FLOPs of every activation-by-activation matmul (q.k and p.v of attention: 12*L*H*Q*T per
-token for SDPA; a custom mixer's registered FLOPs). `peak_flops` gives the denominator. `utilization` and the device
-table relate a cost to a roofline. `python -m ppt.flops --config smollm-360m --device h100` prints it all.
+token for SDPA; a custom mixer's registered FLOPs). Beside this trace: `ppt/comparison_flops.py` (the rule runs are
+compared by, read from the same trace), `ppt/devices.py` (peak rates: the MFU denominator), `ppt/roofline.py`
+(utilization, roofline time, the report); `python -m scripts.flops --config smollm-360m --device h100` prints it all.
+
+Longer than ~400 lines on purpose: the op tables, the dispatch mode that books every op by them, and the routing of
+SDPA into one fused op are one mechanism, read together; apart, each would be half of it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -41,7 +44,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ppt.common import ArgumentParser, PPTError, positive_float, positive_int, warn0
+from ppt.common import PPTError, warn0
 
 OP_CLASSES = ("matmul", "elementwise", "reduction", "selection")
 PASSES = ("primal", "adjoint")
@@ -510,7 +513,7 @@ class Cost:
         """The dtypes that carry any FLOPs (of="flops") or bytes (of="bytes"), in a stable order."""
         table = self.flops if of == "flops" else self.bytes
         found = {d for cell in table.values() for d, n in cell.items() if n}
-        return sorted(found, key=_dtype_order)
+        return sorted(found, key=dtype_order)
 
     def total(self, of: str, dtype: torch.dtype) -> float:
         table = self.flops if of == "flops" else self.bytes
@@ -536,18 +539,18 @@ class Cost:
         flop_dtypes, byte_dtypes = self.dtypes("flops"), self.dtypes("bytes")
         float_dtypes = [d for d in flop_dtypes if d.is_floating_point]  # index arithmetic gets no intensity column
         header = [["flops"] * len(flop_dtypes) + ["bytes"] * len(byte_dtypes) + ["intensity"] * len(float_dtypes)]
-        header.append([_dtype_name(d) for d in flop_dtypes + byte_dtypes + float_dtypes])
+        header.append([dtype_name(d) for d in flop_dtypes + byte_dtypes + float_dtypes])
         body = []
         for row in [*self.rows(), None]:
             flops = self.flops.get(row, {}) if row else {d: self.total("flops", d) for d in flop_dtypes}
             nbytes = self.bytes.get(row, {}) if row else {d: self.total("bytes", d) for d in byte_dtypes}
-            cells = [_si(flops.get(d, 0)) for d in flop_dtypes] + [_si(nbytes.get(d, 0)) for d in byte_dtypes]
-            cells += [_si(self.intensity(row, d) or 0) for d in float_dtypes]
+            cells = [si(flops.get(d, 0)) for d in flop_dtypes] + [si(nbytes.get(d, 0)) for d in byte_dtypes]
+            cells += [si(self.intensity(row, d) or 0) for d in float_dtypes]
             body.append((" ".join(row) if row else "total", cells))
         lines = [
             f"Cost(params={self.params}, params_active={self.params_active}, params_matmul={self.params_matmul}, "
             f"batch_size={self.batch_size}, seq_len={self.seq_len})",
-            _table(header, body),
+            text_table(header, body),
         ]
         if self.unclassified:
             listed = ", ".join(f"{op} x{n}" for op, n in sorted(self.unclassified.items()))
@@ -555,7 +558,7 @@ class Cost:
         return "\n".join(lines)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The module under torch.compile's and DDP's wrappers: their parameters are the inner module's."""
     model = getattr(model, "_orig_mod", model)
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
@@ -566,7 +569,7 @@ def _meta_twin(t: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
 
 
-def _traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, backward: bool) -> _Trace:
+def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, backward: bool) -> _Trace:
     """Run `model` on meta twins of its tensors under a _Trace: the forward, and the backward when asked."""
     if batch_size < 1 or seq_len < 1:
         raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
@@ -612,8 +615,8 @@ def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = t
     them (autocast's fp32 list is not emulated). Small learned tensors (up to 4096 elements, e.g. per-head
     windows) keep their values when the model has any, for the cost formulas of custom ops.
     """
-    model = _unwrap(model)
-    trace = _traced_step(model, batch_size, seq_len, dtype, backward=True)
+    model = unwrap_model(model)
+    trace = traced_step(model, batch_size, seq_len, dtype, backward=True)
     if trace.unclassified:
         warn0(f"ppt.flops: counted ops without a class as elementwise: {', '.join(sorted(trace.unclassified))}")
     tokens = batch_size * seq_len
@@ -648,273 +651,24 @@ def mfu_flops_per_token(model: nn.Module, seq_len: int) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Comparison FLOPs: one rule for every token mixer (SPEC.md, "Measurement"; docs/flops.md)
-
-
-@dataclass
-class ComparisonFlops:
-    """The comparison-FLOPs rule of one model at one row length, described by a traced forward.
-
-    A step's comparison FLOPs are 3 x the forward FLOPs the model's math needs for the tokens trained on: 6 N per
-    token (N: matmul parameters, a tied head once) plus 3 x every token mixer's forward FLOPs over the (query, key)
-    pairs it needs. A query at document position p needs min(reach, p + 1) keys of a head: reach is the row length
-    (the whole document prefix) for causal attention, the window for screening. A mixer that no pair formula
-    describes counts at its traced (dense) forward FLOPs per row; `dense` lists those.
-    """
-
-    seq_len: int
-    params_matmul: int
-    # per (op, model part), in model order: {"op", "part", "calls"} and "heads": [[FLOPs per pair, reach, how many
-    # heads per row], ...] for pair-counted calls and/or "dense_flops_per_row" for the rest
-    mixers: list[dict]
-
-    def __post_init__(self) -> None:
-        keys = np.arange(1, self.seq_len + 1, dtype=np.int64)  # keys a query at document position p has: p + 1
-        self._position_flops = np.zeros(self.seq_len, dtype=np.int64)  # mixer forward FLOPs of a query at p
-        for mixer in self.mixers:
-            for flops_per_pair, reach, heads in mixer.get("heads", []):
-                self._position_flops += flops_per_pair * heads * np.minimum(keys, reach)
-        self._dense_flops_per_row = sum(mixer.get("dense_flops_per_row", 0) for mixer in self.mixers)
-
-    @property
-    def dense(self) -> list[dict]:
-        """The mixers counted at their dense traced cost."""
-        return [mixer for mixer in self.mixers if "dense_flops_per_row" in mixer]
-
-    def warning(self) -> str | None:
-        """One line naming the mixers counted densely and how to count them by their pairs; None if there are none."""
-        if not self.dense:
-            return None
-        names = ", ".join(f"{mixer['op']} in {mixer['part']}" for mixer in self.dense)
-        return (
-            f"comparison FLOPs: {names} mixes tokens with matmuls no pair formula describes, so it counts at its dense "
-            "traced cost (every pair it computes). To count only the pairs it needs, call "
-            "F.scaled_dot_product_attention(is_causal=True), or make it a custom op with a PAIR_FORMULAS entry "
-            "beside it (docs/flops.md)"
-        )
-
-    def step_flops(self, doc_pos_counts: np.ndarray) -> int:
-        """Comparison FLOPs of training on tokens whose document positions are counted by `doc_pos_counts`
-        (counts[p] = tokens at document position p; with whole rows as documents, every p once per row). Exact."""
-        counts = np.asarray(doc_pos_counts, dtype=np.int64)
-        if counts.shape != (self.seq_len,):
-            raise PPTError(
-                f"document-position counts must have one entry per position of a {self.seq_len}-token row, got shape "
-                f"{counts.shape}"
-            )
-        tokens = int(counts.sum())
-        mixers = int(counts @ self._position_flops) + self._dense_flops_per_row * tokens // self.seq_len
-        return 6 * self.params_matmul * tokens + 3 * mixers
-
-    def per_token(self, doc_pos_counts: np.ndarray | None = None) -> float:
-        """Comparison FLOPs per token of these document positions (default: one document per row)."""
-        counts = np.ones(self.seq_len, dtype=np.int64) if doc_pos_counts is None else np.asarray(doc_pos_counts)
-        return self.step_flops(counts) / int(counts.sum())
-
-    def state_dict(self) -> dict:
-        """Plain JSON-able values: what checkpoints and manifests store."""
-        return {"seq_len": self.seq_len, "params_matmul": self.params_matmul, "mixers": self.mixers}
-
-    @classmethod
-    def from_state_dict(cls, state: dict) -> ComparisonFlops:
-        return cls(int(state["seq_len"]), int(state["params_matmul"]), list(state["mixers"]))
-
-
-def comparison_flops_rule(model: nn.Module, seq_len: int) -> ComparisonFlops:
-    """The comparison-FLOPs rule of `model` for rows of `seq_len` tokens, read from one traced forward of one row.
-
-    Learned reaches (screening windows) are read at the model's current values, so call it again when they may have
-    moved. The trace runs on meta: a fraction of a second for a 360M model.
-    """
-    model = _unwrap(model)
-    trace = _traced_step(model, 1, seq_len, torch.float32, backward=False)
-    mixers = []
-    for (op, part), tally in trace.mixers.items():
-        mixer: dict = {"op": op, "part": part, "calls": tally["calls"]}
-        heads: Counter = Counter()
-        for (flops_per_pair, reach), count in tally["heads"].items():
-            heads[(round(flops_per_pair), seq_len if math.isinf(reach) else min(seq_len, math.ceil(reach)))] += count
-        if heads:
-            mixer["heads"] = [[flops_per_pair, reach, count] for (flops_per_pair, reach), count in heads.items()]
-        if tally["dense_flops"]:
-            mixer["dense_flops_per_row"] = round(tally["dense_flops"])
-        mixers.append(mixer)
-    return ComparisonFlops(seq_len, round(trace.weight_flops / (2 * seq_len)), mixers)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Devices: dense peak rates (no sparsity) from the vendors' datasheets
-
-
-@dataclass(frozen=True)
-class Device:
-    """Peak FLOP/s by op class and dtype, and peak memory bytes/s, of one accelerator."""
-
-    name: str
-    matmul: dict[torch.dtype, float]  # tensor/matrix cores, dense, by operand dtype; fp32 means TF32
-    vector: float  # fp32 FLOP/s of the general cores: PyTorch computes elementwise, reduction and selection ops in
-    # fp32 whatever the storage dtype, so one rate serves every dtype there
-    bandwidth: float  # memory bytes/s
-
-    def peak(self, op_class: str, dtype: torch.dtype) -> float | None:
-        return self.matmul.get(dtype) if op_class == "matmul" else self.vector
-
-    def knee(self, op_class: str, dtype: torch.dtype) -> float | None:
-        """The roofline knee (FLOPs/byte): below it an op is memory-bound, above it compute-bound."""
-        peak = self.peak(op_class, dtype)
-        return peak / self.bandwidth if peak else None
-
-    def table(self, dtype: torch.dtype) -> str:
-        body = [(c, [_si(self.peak(c, dtype) or 0), _si(self.bandwidth), _si(self.knee(c, dtype) or 0)])
-                for c in OP_CLASSES]  # fmt: skip
-        return _table([["flops", "bytes", "intensity"], [_dtype_name(dtype), "/s", "knee"]], body)
-
-
-def _matmul_peaks(bf16: float, tf32: float, fp8: float | None = None) -> dict[torch.dtype, float]:
-    peaks = {torch.bfloat16: bf16, torch.float16: bf16, torch.float32: tf32}
-    return peaks | ({torch.float8_e4m3fn: fp8, torch.float8_e5m2: fp8} if fp8 else {})
-
-
-T, P = 1e12, 1e15  # tera, peta
-DEVICES: dict[str, Device] = {
-    "h100": Device("H100 SXM", _matmul_peaks(989 * T, 494.7 * T, 1979 * T), 67 * T, 3.35 * T),
-    "h100-pcie": Device("H100 PCIe", _matmul_peaks(756 * T, 378 * T, 1513 * T), 51 * T, 2.0 * T),
-    "h200": Device("H200 SXM", _matmul_peaks(989 * T, 494.7 * T, 1979 * T), 67 * T, 4.8 * T),
-    "a100": Device("A100 SXM 80GB", _matmul_peaks(312 * T, 156 * T), 19.5 * T, 2.039 * T),
-    "b200": Device("B200", _matmul_peaks(2.25 * P, 1.125 * P, 4.5 * P), 75 * T, 8.0 * T),
-    "rtx4090": Device("RTX 4090", _matmul_peaks(165.2 * T, 82.6 * T), 82.6 * T, 1.008 * T),
-    "rtx5090": Device("RTX 5090", _matmul_peaks(209.5 * T, 104.8 * T), 104.8 * T, 1.792 * T),
-    "mi300x": Device("MI300X", _matmul_peaks(1307.4 * T, 653.7 * T, 2614.9 * T), 163.4 * T, 5.3 * T),
-}
-del T, P
-# torch.cuda.get_device_name() strings, squashed (lowercase, no spaces or dashes), matched in order by substring.
-_NAME_PATTERNS = (("h100pcie", "h100-pcie"), ("h100", "h100"), ("h200", "h200"), ("a100", "a100"),
-                  ("b200", "b200"), ("4090", "rtx4090"), ("5090", "rtx5090"), ("mi300x", "mi300x"))  # fmt: skip
-
-
-def find_device(device: str | torch.device | Device) -> Device | None:
-    """A Device from a table key ("h100"), a CUDA device name ("NVIDIA H100 80GB HBM3") or a torch.device.
-
-    None where the peaks are unknown: CPUs, MPS, GPUs not in the table.
-    """
-    if isinstance(device, Device):
-        return device
-    if isinstance(device, torch.device):
-        if device.type != "cuda":
-            return None
-        device = torch.cuda.get_device_name(device)
-    squashed = "".join(ch for ch in device.lower() if ch.isalnum())
-    for pattern, key in _NAME_PATTERNS:
-        if pattern in squashed:
-            return DEVICES[key]
-    return None
-
-
-def peak_flops(device: str | torch.device | Device, dtype: torch.dtype = torch.bfloat16) -> float | None:
-    """Dense matmul peak FLOP/s of a device in `dtype` (the MFU denominator); None when unknown (e.g. CPU)."""
-    found = find_device(device)
-    return found.peak("matmul", dtype) if found else None
-
-
-def _known_device(device: str | torch.device | Device) -> Device:
-    found = find_device(device)
-    if found is None:
-        raise PPTError(f"no peak rates known for device {device!r}; use one of {', '.join(DEVICES)}")
-    return found
-
-
-def _known_peak(device: Device, op_class: str, dtype: torch.dtype) -> float:
-    peak = device.peak(op_class, dtype)
-    if not peak:
-        raise PPTError(f"{device.name} has no {op_class} peak for {dtype} in the table; cost the model in bf16")
-    return peak
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Roofline: utilization and time
-
-
-@dataclass
-class Utilization:
-    """Per-cell ratios (row, dtype) of a cost on a device; see `utilization` for what they mean."""
-
-    device: str
-    duration_sec: float | None
-    ratios: dict[Row, dict[torch.dtype, float]]
-
-    @property
-    def total(self) -> dict[torch.dtype, float]:
-        """The sum of the per-cell ratios: a summary of the table, not a whole-model utilization."""
-        sums: Counter = Counter()
-        for cell in self.ratios.values():
-            sums.update(cell)
-        return dict(sums)
-
-    def __str__(self) -> str:
-        dtypes = sorted({d for cell in self.ratios.values() for d in cell}, key=_dtype_order)
-        body = [(" ".join(row), [_si(cell.get(d, 0)) for d in dtypes]) for row, cell in self.ratios.items()]
-        body.append(("total", [_si(self.total.get(d, 0)) for d in dtypes]))
-        return _table([[_dtype_name(d) for d in dtypes]], body)
-
-
-def utilization(cost: Cost, device: str | torch.device | Device, duration_sec: float | None = None) -> Utilization:
-    """How well each cell (pass, op class, dtype) of `cost` fits `device`.
-
-    Without a duration: the cell's intensity divided by the device's roofline knee for that class and dtype (below
-    1 the cell is memory-bound). With the measured step duration: the cell's achieved FLOP/s divided by its
-    attainable peak, min(peak FLOP/s, intensity * bytes/s); for a compute-bound matmul cell this is its MFU.
-    Cells without FLOPs are left out.
-    """
-    found = _known_device(device)
-    if duration_sec is not None and duration_sec <= 0:
-        raise PPTError(f"duration_sec must be positive, got {duration_sec}")
-    ratios: dict[Row, dict[torch.dtype, float]] = {}
-    for row in cost.rows():
-        for dtype, flops in cost.flops.get(row, {}).items():
-            intensity = cost.intensity(row, dtype)
-            if intensity is None:
-                continue
-            peak = _known_peak(found, row[1], dtype)
-            if duration_sec is None:
-                ratio = intensity / (peak / found.bandwidth)
-            else:
-                ratio = (flops / duration_sec) / min(peak, intensity * found.bandwidth)
-            ratios.setdefault(row, {})[dtype] = ratio
-    return Utilization(found.name, duration_sec, ratios)
-
-
-def roofline_seconds(cost: Cost, device: str | torch.device | Device) -> dict[OpKey, tuple[float, float]]:
-    """Per kind of op, the least time its FLOPs and its bytes need on the device: (FLOPs / peak, bytes / bandwidth).
-
-    An op alone takes the larger of the two (it is bound by that one); summing over ops assumes they run one after
-    another, unfused, as the byte count does.
-    """
-    found = _known_device(device)
-    return {
-        key: (flops / _known_peak(found, key[1], key[4]) if flops else 0.0, nbytes / found.bandwidth)
-        for key, (flops, nbytes) in cost.ops.items()
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Formatting
+# Formatting: the tables of this module, ppt/devices.py and ppt/roofline.py
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
                 torch.float8_e4m3fn: "fp8e4m3", torch.float8_e5m2: "fp8e5m2"}  # fmt: skip
 
 
-def _dtype_order(dtype: torch.dtype) -> tuple[int, str]:
+def dtype_order(dtype: torch.dtype) -> tuple[int, str]:
     """Table columns: the low-precision compute dtypes first, then fp32, then integers and the rest."""
     order = list(_DTYPE_NAMES)
     return (order.index(dtype) if dtype in order else len(order), str(dtype))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def _si(x: float) -> str:
+def si(x: float) -> str:
     """4 significant digits with an SI suffix (532.4M); '-' for zero."""
     if not x:
         return "-"
@@ -924,7 +678,7 @@ def _si(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _table(header: list[list[str]], body: list[tuple[str, list[str]]]) -> str:
+def text_table(header: list[list[str]], body: list[tuple[str, list[str]]]) -> str:
     label_width = max(len(label) for label, _ in body)
     columns = list(zip(*header, *(cells for _, cells in body)))
     widths = [max(len(s) for s in column) for column in columns]
@@ -933,105 +687,3 @@ def _table(header: list[list[str]], body: list[tuple[str, list[str]]]) -> str:
         f"{label:<{label_width}}" + "".join(f"  {s:>{w}}" for s, w in zip(cells, widths)) for label, cells in body
     ]
     return "\n".join(lines)
-
-
-def _roofline_table(step: Cost, seconds: dict[OpKey, tuple[float, float]], group: Callable[[OpKey], str]) -> str:
-    """FLOPs, bytes, roofline time and its memory-bound share per group of ops, largest time first."""
-    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # flops, bytes, time, memory-bound time
-    for key, (flops, nbytes) in step.ops.items():
-        compute, memory = seconds[key]
-        totals = sums[group(key)]
-        totals[0] += flops
-        totals[1] += nbytes
-        totals[2] += max(compute, memory)
-        totals[3] += memory if memory > compute else 0.0
-    step_seconds = sum(totals[2] for totals in sums.values())
-    body = []
-    for name, (flops, nbytes, time, memory_bound) in sorted(sums.items(), key=lambda kv: -kv[1][2]):
-        cells = [_si(flops), _si(nbytes), _si(flops / nbytes if nbytes else 0), f"{time * 1e3:.4g}"]
-        body.append((name, cells + [f"{time / step_seconds:.1%}", f"{memory_bound / time:.0%}" if time else "-"]))
-    return _table([["flops", "bytes", "intensity", "ms", "share", "memory-bound"]], body)
-
-
-def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype,
-           duration_sec: float | None = None) -> str:  # fmt: skip
-    """The CLI's text: the cost table, FLOPs per token, the device table, utilization and roofline time."""
-    lines = [
-        str(step),
-        "",
-        f"FLOPs/token, MFU convention: {_si(step.flops_per_token)} = 6N {_si(step.flops_per_token_6n)} "
-        f"(N = {_si(step.params_matmul)} matmul params) + attention {_si(step.attention_flops_per_token)}",
-        f"FLOPs/token, 6N only:        {_si(step.flops_per_token_6n)}",
-    ]
-    found = find_device(device)
-    if found is None:
-        lines += ["", f"device {device}: peak rates unknown, no roofline"]
-        return "\n".join(lines)
-    name = _dtype_name(dtype).upper()
-    lines += ["", f"{found.name} peaks ({name}):", found.table(dtype), ""]
-    knee, matmul_intensity = found.knee("matmul", dtype), step.intensity(("primal", "matmul"), dtype)
-    if knee and matmul_intensity:
-        lines.append(
-            f"The {found.name}'s {name} matmul roofline knee is {_si(knee)} FLOPs/byte; this model's primal matmul "
-            f"intensity is {_si(matmul_intensity)} ({matmul_intensity / knee - 1:+.1%} from the knee)."
-        )
-    lines += ["", "Utilization: intensity / knee per cell (below 1: memory-bound)", str(utilization(step, found))]
-    if duration_sec is not None:
-        lines += ["", f"Utilization at {duration_sec:g} s/step: achieved / min(peak, intensity * bandwidth)",
-                  str(utilization(step, found, duration_sec))]  # fmt: skip
-    seconds = roofline_seconds(step, found)
-    step_seconds = sum(max(c, m) for c, m in seconds.values())
-    ceiling = step.flops_per_token * step.tokens / step_seconds / found.peak("matmul", dtype)
-    lines += [
-        "",
-        "Roofline time per step, each op alone at its bound (no overlap, no fusion), by pass and op class:",
-        _roofline_table(step, seconds, lambda key: f"{key[0]} {key[1]}"),
-        "",
-        "... and by model part (innermost module, layer indices dropped), both passes:",
-        _roofline_table(step, seconds, lambda key: key[2]),
-        "",
-        f"At the roofline one step takes >= {step_seconds * 1e3:.4g} ms, so MFU <= {ceiling:.1%} on the "
-        f"{found.name} for these ops run unfused.",
-        "Bytes are the logical operand I/O of the unfused algorithm, not measured memory traffic.",
-    ]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(prog="python -m ppt.flops", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="a name from ppt.model.CONFIGS (default: the model's default)")
-    parser.add_argument("--depth", type=positive_int, help="the depth dial instead of a named config")
-    parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the config's max_seq_len)")
-    parser.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}, a CUDA device name, or cpu")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--duration-sec", type=positive_float, help="a measured step time: adds achieved utilization")
-    args = parser.parse_args(argv)
-    try:
-        from ppt.model import build_model, get_config  # the CLI is an entry point: it may bring the model in
-
-        config = get_config(args.config, args.depth)
-        with torch.device("meta"):
-            model = build_model(config)
-        if sum(p.numel() for p in model.parameters()) <= 100_000_000:
-            # small enough to materialize: learned per-head values (e.g. screening windows) are then read at their
-            # initial values, so window-limited ops count in-window pairs instead of the every-pair upper bound
-            model.to_empty(device="cpu")
-            model.init_weights()
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-        seq_len = args.seq_len or config.max_seq_len
-        step = cost(model, args.batch_size, seq_len, dtype)
-        print(report(step, args.device, dtype, args.duration_sec))
-        rule = comparison_flops_rule(model, seq_len)
-        print(
-            f"\nFLOPs/token, comparison rule (one document per row): {_si(rule.per_token())} = 6N "
-            f"{_si(6 * rule.params_matmul)} + mixers {_si(rule.per_token() - 6 * rule.params_matmul)} over the pairs "
-            "they need (the MFU convention counts SDPA over all T x T pairs)"
-        )
-    except PPTError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
-
-
-if __name__ == "__main__":
-    main()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ppt.common import PPTError
+from ppt.kernels.attention import scores_with_autograd
 
 # Val tokens scored by default, at the end of training and by base_eval alike: the same budget, the same bpb.
 DEFAULT_EVAL_TOKENS = 10 * 2**20
@@ -49,12 +50,14 @@ def evaluate_bpb(
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=token_bytes.device)  # nll_all, tokens, nll_bytes, bytes
     rows = None
+    compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
     try:
         for inputs, targets, doc_pos in batches:
             rows = rows or inputs.shape[0]
             if inputs.shape[0] < rows:  # pad a short last batch with ignored rows: a compiled model sees one shape
                 inputs, targets, doc_pos = pad_rows(inputs, targets, doc_pos, rows)
-            with autocast(inputs.device, dtype), torch.set_grad_enabled(autograd_forward(model, inputs)):
+            with_autograd = scores_with_autograd(compiled, inputs.device)  # the graph is freed with each batch
+            with autocast(inputs.device, dtype), torch.set_grad_enabled(with_autograd):
                 nll = model(inputs, targets, doc_pos, reduction="none").detach()
             nll, targets = nll.to(sums.device, torch.float64), targets.to(sums.device)
             valid = targets >= 0
@@ -81,13 +84,6 @@ def evaluate_bpb(
         "tokens": int(tokens),
         "bytes": int(nbytes),
     }
-
-
-def autograd_forward(model: nn.Module, inputs: Tensor) -> bool:
-    """Whether to score with autograd on (the result detached): for a compiled model on CUDA, whose document masks
-    then run on FlexAttention's training kernels, 1.3x faster than the dense mask that no-grad forwards take
-    (see `ppt.kernels.attention.document_mask`). The graph is freed with each batch; elsewhere no grad."""
-    return inputs.is_cuda and isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 
 
 def pad_rows(

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ppt.common import PPTError
 from ppt.kernels.attention import attention, document_mask
-from ppt.kernels.screening import screening, screening_metadata
+from ppt.kernels.screening import KERNEL_HEAD_DIMS, screening, screening_metadata
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Vanilla Llama / SmolLM decoder
@@ -342,10 +342,10 @@ class MultiscreenBlock(nn.Module):
 class MultiscreenLM(nn.Module):
     def __init__(self, config: MultiscreenConfig) -> None:
         super().__init__()
-        if {config.d_key, config.d_value} - {16, 32, 64, 128}:
+        if {config.d_key, config.d_value} - set(KERNEL_HEAD_DIMS):
             raise PPTError(
                 f"d_key {config.d_key} / d_value {config.d_value}: the screening kernel tiles head dims of "
-                "16, 32, 64 or 128; pick those"
+                f"{', '.join(map(str, KERNEL_HEAD_DIMS))}; pick those"
             )
         self.config = config
         self.embed = nn.Parameter(torch.empty(config.vocab_size, config.d_model))

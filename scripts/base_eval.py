@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+import ppt.model
 from ppt.common import (
     ArgumentParser,
     PPTError,
@@ -45,10 +46,11 @@ from ppt.common import (
     shutdown_runtime,
     token_count,
 )
-from ppt.data import DataLoader, list_shards, read_shard
+from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
+from ppt.model_io import LoadedRun, ModelFile, load_run, load_tokenizer_for
+from ppt.shards import list_shards, read_shard
 from ppt.tokenizer import Tokenizer
-from scripts.model_io import LoadedRun, build_from_checkpoint, load_run, load_tokenizer_for
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -223,8 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.hf_dir and not args.data_dir:
         raise PPTError("--hf-dir needs --data-dir: prepared shards whose val split to score, made by its tokenizer")
     rt = init_runtime(args.device)
-    run = load_run(args.model_tag, args.checkpoint, args.hf_dir)
-    model = build_from_checkpoint(run, rt.device)
+    model_file = ModelFile.of(ppt.model)
+    run = load_run(args.model_tag, args.checkpoint, args.hf_dir, model_file)
+    model = model_file.build_from_checkpoint(run, rt.device)
     tokenizer, data_dir = load_tokenizer_for(run, args.data_dir)
     seq_len = resolve_seq_len(args, run, model.config.max_seq_len)
     budget, budget_source = resolve_eval_tokens(args, run)

@@ -7,6 +7,7 @@ python -m scripts.base_train --from-manifest RUN.json --tag rerun   # relaunch a
 python -m scripts.base_train ... --resume auto             # continue a stopped or killed run from its newest checkpoint
 
 A run owns its checkpoint directory and its name (--tag) while it runs: a second run with either stops at once.
+One file of ~900 lines on purpose, as nanoGPT's train.py: the loop reads top to bottom, set-up to the last save.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from ppt.common import (
     ArgumentParser,
     Number,
     PPTError,
+    Runtime,
     cache_dir,
-    hold_lock,
+    few,
     init_runtime,
-    lock_directory,
     maybe_compile,
     nonneg_float,
     nonneg_int,
@@ -46,20 +47,23 @@ from ppt.common import (
     positive_float,
     positive_int,
     print0,
-    release_locks,
     run_cli,
     shutdown_runtime,
     token_count,
     warn0,
     wrap_ddp,
 )
-from ppt.data import DataLoader, default_data_dir, load_data_tokenizer
-from ppt.flops import ComparisonFlops, comparison_flops_rule, mfu_flops_per_token, peak_flops
+from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
+from ppt.data import DataLoader
+from ppt.devices import peak_flops
+from ppt.flops import mfu_flops_per_token
+from ppt.locks import hold_lock, lock_directory, release_locks
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
-from ppt.model import CONFIGS, build_model, get_config
+from ppt.model import CONFIGS, DEFAULT_CONFIG, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.report import RunReport
+from ppt.shards import default_data_dir, load_data_tokenizer
 
 # Published recipes, as their public configurations state them; flags given beside --recipe override single values.
 MOR_BATCH_TOKENS = 2_097_152  # 1024 rows of 2048 tokens
@@ -102,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "beside it override (e.g. --tag NAME to run it again elsewhere, --resume auto to continue it)",
     )
     g = p.add_argument_group("model")
-    g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)} (default smollm-360m unless --depth)")
+    g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)} (default {DEFAULT_CONFIG} unless --depth)")
     g.add_argument("--depth", type=positive_int, help="the scaling dial: width and heads derived from depth")
     g = p.add_argument_group("data and batch")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default <cache>/data/fineweb-edu)")
@@ -266,7 +270,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
 
     # ---- model config, tokenizer and data ----------------------------------------------------------------------
     if args.config is None and args.depth is None:
-        args.config = "smollm-360m"
+        args.config = DEFAULT_CONFIG
     config = get_config(args.config, args.depth)
     data_dir = args.data_dir or default_data_dir()
     tokenizer = load_data_tokenizer(data_dir)
@@ -354,7 +358,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         return wall_offset + time.perf_counter() - started
 
     # ---- FLOPs, read from the (resumed) model: learned windows are the trained ones -----------------------------
-    flops = mfu_flops_per_token(model, seq_len)  # the MFU convention: a throughput figure
+    try:
+        flops, untraced = mfu_flops_per_token(model, seq_len), None  # the MFU convention: a throughput figure
+    except PPTError as exc:  # a forward that does not run on meta trains all the same, without MFU
+        flops, untraced = None, str(exc)
     peak = peak_flops(rt.device, rt.dtype)
     comparison = state.get("comparison")  # the comparison rule: what runs are compared by
     if comparison:
@@ -364,7 +371,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         rule, rule_step, comparison_flops = comparison_flops_rule(model, seq_len), start_step, 0
         if start_step:
             warn0(f"{resume_path} predates comparison FLOPs: they are counted from step {start_step} on")
-    if (warning := rule.warning()) and rt.is_master:
+    warnings = [rule.warning()] if rule.warning() else []
+    if untraced:  # one line when the rule's warning already says why the trace failed
+        warnings = [f"{warnings[0]}; no MFU either"] if rule.untraced else [f"no MFU: {untraced}", *warnings]
+    for warning in warnings:
         warn0(warning)
 
     # ---- the budget and the schedule --------------------------------------------------------------------------
@@ -401,8 +411,19 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     compiled_model = maybe_compile(model, args.compile, rt.device, args.compile_mode)
     use_compile = compiled_model is not model
     train_model = compiled_model
+    find_unused = False
     if rt.distributed:
-        train_model = wrap_ddp(train_model, rt)
+        probe = DataLoader(data_dir, "train", 1, seq_len, rt.rank, rt.world_size, data_seed, rt.device, prefetch=0)
+        inputs, targets, doc_pos = next(probe)
+        unused = parameters_without_gradient(model, inputs, targets, None if args.no_doc_masks else doc_pos, rt)
+        if unused:  # DDP would wait for their gradients forever, then fail at the next step
+            find_unused = True
+            print0(
+                f"note: {len(unused)} parameters got no gradient in a first forward and backward ({few(unused)}); "
+                "DDP runs with find_unused_parameters=True, which searches the autograd graph for them after every "
+                "forward (slower)"
+            )
+        train_model = wrap_ddp(train_model, rt, find_unused_parameters=find_unused)
 
     # a benchmark writes no manifest: it must not overwrite the report of a real run with the same tag
     report = RunReport(tag, [cache_dir() / "reports", out_dir], enabled=rt.is_master and not args.benchmark)
@@ -429,6 +450,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             "device_batch_size": device_batch,
             "grad_accum": grad_accum,
             "world_size": rt.world_size,
+            "ddp_find_unused_parameters": find_unused,
             "optimizer": args.optimizer,
             "lr": lr,
             "optimizer_groups": optimizer_settings(optimizer),
@@ -476,12 +498,13 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         wandb_id = wandb_run.id
         report.update(wandb={"project": "ppt", "name": args.run, "id": wandb_id})
 
+    mfu_flops = f"{flops['mfu'] / 1e9:.4g}G" if flops else "not traced"
     print0(
         f"{tag}: {n_params / 1e6:.1f}M params, {total_steps} steps x {total_batch} tokens "
         f"(device batch {device_batch} x {seq_len}, accum {grad_accum}, world {rt.world_size}), "
         f"{rt.device} {str(rt.dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}, "
-        f"FLOPs/token {flops['mfu'] / 1e9:.4g}G (MFU convention), {rule.per_token() / 1e9:.4g}G (comparison rule, "
-        "one document per row)"
+        f"FLOPs/token {mfu_flops} (MFU convention), "
+        f"{rule.per_token() / 1e9:.4g}G (comparison rule, one document per row)"
     )
     epochs = total_steps * total_batch / train_loader.tokens_per_epoch
     if epochs > 1:
@@ -598,7 +621,12 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             data_time += time.perf_counter() - t_data
             sync = micro == grad_accum - 1 or not rt.distributed
             with nullcontext() if sync else train_model.no_sync(), autocast(rt.device, rt.dtype):
-                loss = train_model(inputs, targets, doc_pos)
+                try:
+                    loss = train_model(inputs, targets, doc_pos)
+                except RuntimeError as exc:
+                    if error := unused_parameter_error(exc, step):
+                        raise error from exc
+                    raise
             (loss / grad_accum).backward()
             loss_sum += loss.detach()
         counts = train_loader.take_doc_pos_counts()
@@ -637,7 +665,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         tokens_seen += total_batch
         comparison_flops += rule.step_flops(counts)
         tok_per_s = total_batch / dt
-        mfu = flops["mfu"] * tok_per_s / (peak * rt.world_size) if peak else None
+        mfu = flops["mfu"] * tok_per_s / (peak * rt.world_size) if peak and flops else None
         memory_key, memory = memory_gb(rt.device)
         report.log_step(
             step=step,
@@ -730,6 +758,33 @@ def first_step_doc_pos_counts(
     return np.full(seq_len, counts.sum() // seq_len, dtype=np.int64) if args.no_doc_masks else counts
 
 
+def parameters_without_gradient(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, doc_pos: torch.Tensor | None, rt: Runtime
+) -> list[str]:
+    """The trainable parameters that one forward and backward of a row leaves without a gradient on any rank (a
+    router's unchosen expert, an early exit): DDP must be told to look for them. Gradients and RNG are left as found."""
+    rng = ckpt.rng_state()
+    with autocast(rt.device, rt.dtype):
+        model(inputs, targets, doc_pos).backward()
+    mine = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    model.zero_grad(set_to_none=True)
+    ckpt.set_rng_state(rng)
+    every_rank: list[list[str] | None] = [None] * rt.world_size
+    torch.distributed.all_gather_object(every_rank, mine)
+    return sorted(set().union(*every_rank))
+
+
+def unused_parameter_error(exc: RuntimeError, step: int) -> PPTError | None:
+    """DDP's error for parameters that got no gradient in the step before, as one line with the fix; None for others."""
+    if "Expected to have finished reduction in the prior iteration" not in str(exc):
+        return None
+    return PPTError(
+        f"under DDP, some parameters got no gradient in step {step} though all had one in a first forward and backward "
+        "before training, so DDP runs without find_unused_parameters; make every parameter take part in every "
+        "step's loss in ppt/model.py (e.g. add 0 * p.sum() for a branch a step may skip)"
+    )
+
+
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Every param group's settings (role, algorithm, initial_lr, betas, weight decay, ...), without its tensors and
     its current lr (the schedule's, which a resumed optimizer brings along)."""
@@ -792,7 +847,7 @@ def benchmark_summary(
     optimizer_times: list[float],
     profiled_steps: set[int],
     rt: object,
-    flops: dict,
+    flops: dict | None,
     peak: float | None,
     n_params: int,
 ) -> dict:
@@ -814,10 +869,9 @@ def benchmark_summary(
         "step_time_s": step_time,
         "data_share": mean("data_time") / step_time,
         "optimizer_share": sum(seconds for _, seconds in kept) / len(kept) / step_time,
-        "flops_per_token": flops["mfu"],
-        "flops_per_token_6n": flops["6n"],
+        **({"flops_per_token": flops["mfu"], "flops_per_token_6n": flops["6n"]} if flops else {}),
     }
-    if peak:
+    if peak and flops:
         summary["mfu"] = flops["mfu"] * tok_per_s / (peak * rt.world_size)
         summary["mfu_6n"] = flops["6n"] * tok_per_s / (peak * rt.world_size)
     if torch.cuda.is_available():

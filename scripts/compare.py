@@ -5,12 +5,13 @@
     python -m scripts.compare 'runs/*.json' --baseline smollm-360m --plot bpb.png
     python -m scripts.compare a.json b.json --allow-mismatch         # on other data: the table shows what differs
 
-Runs that differ only in their seeds (and in tag, output directory, world size, device batch, compilation and
-other launch details) are one setting. The table gives each setting's parameters, tokens and comparison FLOPs
-(SPEC.md, Measurement), its final val bpb as mean ± sample std (n seeds), the difference of means to the baseline
-setting with a 95% Welch interval ("n/a (one seed)" when either side has one run), wall time, training tokens/s
-(the median step's) and the lm-eval scores base_eval recorded. The plot draws each setting's mean val bpb at every
-evaluation, against tokens and against comparison FLOPs (log x), with the range over its seeds as a band.
+Runs that differ only in their seeds (and in tag, output directory, world size, device batch, compilation and other
+launch details) are one setting. The table gives each setting's parameters, tokens and comparison FLOPs (SPEC.md,
+Measurement; marked * where the model could not be traced, so they count 6N alone), its final val bpb as mean ±
+sample std (n seeds), the difference of means to the baseline setting with a 95% Welch interval ("n/a (one seed)"
+when either side has one run), wall time, training tokens/s (the median step's) and the lm-eval scores base_eval
+recorded. The plot draws each setting's mean val bpb at every evaluation, against tokens and against comparison
+FLOPs (log x), with the range over its seeds as a band.
 
 Runs on a different tokenizer, data, sequence length or evaluation token count are not comparable: compare refuses
 them with one error unless --allow-mismatch, which adds a column per difference to the table. Runs on CPU.
@@ -322,15 +323,18 @@ def table(settings: list[Setting], baseline: Setting, differing: list[str]) -> s
     header = ["setting", "seeds", "params", "tokens", "comparison FLOPs", "val bpb",
               f"Δ bpb vs {baseline.label} (95% CI)", "wall time", "tok/s", *differing, *benchmarks]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    untraced = []  # settings whose model could not be traced: their comparison FLOPs count 6N alone
     for setting in settings:
         flops = _mean(setting.final("comparison_flops"))
+        reasons = {(r.manifest.get("comparison_flops_rule") or {}).get("untraced") for r in setting.runs} - {None}
+        untraced += [f"{setting.label}: {sorted(reasons)[0]}"] if reasons else []
         speeds = [s for s in (_median_tok_per_s(r) for r in setting.runs) if s is not None]
         cells = [
             setting.label,
             str(len(setting.runs)),
             _si(_mean([r.manifest["params"] for r in setting.runs])),
             _si(_mean(setting.final("tokens"))),
-            f"{flops:.4g}" if flops is not None else "-",
+            (f"{flops:.4g}" + " *" * bool(reasons)) if flops is not None else "-",
             _bpb(setting.final("val_bpb")),
             _difference(setting, baseline),
             _duration(_mean(setting.final("wall_time_s")) or 0) if setting.final("wall_time_s") else "-",
@@ -346,6 +350,12 @@ def table(settings: list[Setting], baseline: Setting, differing: list[str]) -> s
             ]
             cells.append(f"{statistics.fmean(scores):.1f}" if scores else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    if untraced:
+        lines.append(
+            "\n* 6N alone, no token mixer: the forward could not be traced on the meta device ("
+            + "; ".join(untraced)
+            + ")"
+        )
     return "\n".join(lines)
 
 

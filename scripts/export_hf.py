@@ -23,9 +23,10 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
+import ppt.model
 from ppt.common import ArgumentParser, PPTError, run_cli
+from ppt.model_io import ModelFile, hf_mapping, load_run, load_tokenizer_for
 from ppt.tokenizer import EOT_TOKEN, Tokenizer
-from scripts.model_io import build_on_meta, config_from_dict, hf_mapping, load_run, load_tokenizer_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,7 +46,8 @@ def hf_state_dict(
 
 def model_mapping(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """The Hugging Face mapping of the model a checkpoint's config builds; refuses an architecture without one."""
-    return hf_mapping(build_on_meta(config_from_dict(config)))
+    model_file = ModelFile.of(ppt.model)
+    return hf_mapping(model_file.build_on_meta(model_file.config_from_dict(config)))
 
 
 def write_tokenizer(tokenizer: Tokenizer, directory: Path, max_length: int) -> None:

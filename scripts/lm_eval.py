@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+import ppt.model
 from ppt.common import PPTError, autodetect_device, autodetect_dtype, run_cli, warn0
-from scripts.model_io import build_from_checkpoint, load_run, load_tokenizer_for
+from ppt.model_io import ModelFile, load_run, load_tokenizer_for
 
 try:  # the eval extra: say how to install it rather than show a traceback
     from lm_eval.api.registry import register_model
@@ -68,7 +69,8 @@ class CheckpointLM(PPTLM):
         max_length: int | None = None,
         **unused: Any,  # lm-eval's max_batch_size and the like
     ) -> None:
-        run = load_run(model_tag, checkpoint, hf_dir)
+        model_file = ModelFile.of(ppt.model)
+        run = load_run(model_tag, checkpoint, hf_dir, model_file)
         tokenizer, _ = load_tokenizer_for(run, data_dir)
         target = torch.device(device) if device else autodetect_device()
         if target.type == "cuda" and not torch.cuda.is_available():  # lm-eval's default device is cuda:0
@@ -76,7 +78,7 @@ class CheckpointLM(PPTLM):
             target = autodetect_device()
         if dtype is not None and str(dtype) not in DTYPES:
             raise PPTError(f"dtype={dtype} is not one of {', '.join(DTYPES)}")
-        model = build_from_checkpoint(run, target)
+        model = model_file.build_from_checkpoint(run, target)
         precision = DTYPES[str(dtype)] if dtype else autodetect_dtype(target)
         max_length = int(max_length) if max_length else None
         super().__init__(model, tokenizer, target, precision, parse_batch_size(batch_size), max_length)

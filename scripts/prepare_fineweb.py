@@ -1,4 +1,4 @@
-"""Tokenize a corpus into ppt shards (format: ppt/data.py).
+"""Tokenize a corpus into ppt shards (format: ppt/shards.py; sources: ppt/sources.py; writer: ppt/shard_writer.py).
 
     python -m scripts.prepare_fineweb --shards 200             # FineWeb-Edu-Dedup, ~20B train tokens
     python -m scripts.prepare_fineweb --source demo            # offline: the stdlib's own documentation, seconds
@@ -28,33 +28,17 @@ Progress shows as a bar on a terminal, and as a line every minute otherwise (noh
 from __future__ import annotations
 
 import argparse
-import functools
-import glob
-import importlib
-import inspect
-import io
 import itertools
-import json
 import math
-import multiprocessing
 import os
-import pkgutil
-import random
 import shutil
 import signal
 import sys
 import time
-import types
-import warnings
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from dataclasses import dataclass, field
-from multiprocessing.pool import AsyncResult, Pool
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from tokenizers import Tokenizer as BackendTokenizer
 from tqdm import tqdm
 
 from ppt.common import (
@@ -63,23 +47,36 @@ from ppt.common import (
     Number,
     PPTError,
     format_sizes,
-    lock_directory,
     nonneg_int,
     positive_int,
-    release_locks,
 )
-from ppt.data import default_data_dir, load_data_tokenizer, read_meta, shard_path, token_dtype, write_meta, write_shard
+from ppt.locks import lock_directory, release_locks
+from ppt.shard_writer import (
+    VAL_SHARE,
+    ShardWriter,
+    batched,
+    check_resumable,
+    disk_errors,
+    encode_in_order,
+    new_meta,
+    remove_leftovers,
+    worker_pool,
+)
+from ppt.shards import default_data_dir, load_data_tokenizer, read_meta, token_dtype, write_meta
+from ppt.sources import (
+    CorpusSize,
+    bytes_per_token,
+    demo_documents,
+    estimate_text_bytes,
+    local_document_source,
+    open_fineweb,
+    resolve_local_files,
+)
 from ppt.tokenizer import DEFAULT_TOKENIZER, Tokenizer, load_tokenizer, train_bpe, train_demo_tokenizer
 
-FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DOCS_PER_TASK = 256  # documents per worker task: big enough to amortize pickling, small enough to keep order cheap
-META_FORMAT = 1
 PROGRESS_EVERY_S = 60.0  # seconds between progress lines when stderr is not a terminal (tests lower it)
 DEFAULT_VOCAB = 4096  # of a BPE trained here (the demo's, or --train-tokenizer's)
-VAL_SHARE = 0.05  # of a local corpus, for the default val split
-SAMPLE_BYTES = 1_000_000  # text tokenized up front to measure bytes per token
-SHUFFLE_MAX_BYTES = 4_000_000_000  # --shuffle-seed holds the corpus in memory
 SHARD_TOKENS = Number(int, 2, MAX_TOKENS, scientific=True)
 VOCAB_SIZE = Number(int, 258, 2**32 - 1)  # 256 bytes + EOT at least; ids are stored as uint32 at most
 
@@ -145,590 +142,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"vocabulary of the BPE that --train-tokenizer or the demo trains (default {DEFAULT_VOCAB})",
     )
     return p.parse_args(argv)
-
-
-# ---- documents ---------------------------------------------------------------------------------------------------
-
-
-def resolve_local_files(patterns: list[str]) -> list[Path]:
-    """Expand paths, folders and globs in argument order (each glob and folder sorted); every pattern must give a
-    supported file. A folder gives every .txt/.jsonl/.parquet file under it (hidden ones aside)."""
-    files = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
-        matches = [os.path.expanduser(match) for match in matches]
-        if not matches or not Path(matches[0]).exists():
-            raise PPTError(f"--source {pattern!r} matches no file; pass fineweb, demo, or existing local files")
-        for match in matches:
-            path = Path(match).resolve()
-            if path.is_dir():
-                found = _folder_files(path)
-                if not found:
-                    raise PPTError(f"{path} holds no {', '.join(LOCAL_SUFFIXES)} files; pass a folder with some")
-                files += found
-                continue
-            if path.suffix not in LOCAL_SUFFIXES:
-                raise PPTError(f"{path}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)} files")
-            files.append(path)
-    return files
-
-
-def _folder_files(folder: Path) -> list[Path]:
-    """The supported files under a folder, sorted by path; says which other files it leaves out."""
-    hidden = lambda path: any(part.startswith(".") for part in path.relative_to(folder).parts)  # noqa: E731
-    visible = [path for path in sorted(folder.rglob("*")) if path.is_file() and not hidden(path)]
-    others = [p for p in visible if p.suffix not in LOCAL_SUFFIXES]
-    if others:
-        kinds = ", ".join(sorted({p.suffix or "(no suffix)" for p in others}))
-        print(f"note: {folder}: left out {len(others)} files that are not {', '.join(LOCAL_SUFFIXES)} ({kinds})")
-    return [p for p in visible if p.suffix in LOCAL_SUFFIXES]
-
-
-# Modules never imported for the demo corpus: they act on import (open a browser, print, start a GUI, read config
-# files, set up the terminal), are deprecated shims whose content depends on what else is installed, or are tests.
-DEMO_SKIP_MODULES = {"antigravity", "this", "idlelib", "turtle", "turtledemo", "readline", "lib2to3", "distutils"}
-DEMO_SKIP_MODULES |= {"pydoc_data"}  # its topics are taken whole, not as a module
-DEMO_SKIP_PARTS = {"test", "tests", "idle_test"}
-MIN_DEMO_TEXT = 20  # characters: shorter docstrings and comments ("Return self==value.") carry little text
-
-
-def demo_documents() -> list[str]:
-    """The offline demo corpus: the documentation Python's standard library ships, about 3 MB (0.85M tokens at
-    vocab 4096 on CPython 3.11), built in about a second.
-
-    The `help()` topics of `pydoc_data.topics` (one document per topic), and one document per public stdlib module
-    that imports here: the docstrings of the module and of its public classes, functions and methods, each under a
-    heading with its name and parameter names, then the module source's comments. Every text appears once. The
-    documents come in a fixed shuffled order, so the val split (the first documents) mixes both kinds. The same on
-    every run with one Python build; built once per process (tokenizer training reads it, then the encoder).
-    """
-    return list(_demo_corpus())
-
-
-@functools.cache
-def _demo_corpus() -> tuple[str, ...]:
-    from pydoc_data.topics import topics  # the stdlib's help() text: always present, no network
-
-    seen: set[str] = set()  # every text once: shared and inherited docstrings repeat across modules
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # deprecated modules and attributes warn when imported or read
-        modules = [_module_document(name, seen) for name in _stdlib_module_names()]
-    documents = [*dict.fromkeys(topics[key] for key in sorted(topics)), *(doc for doc in modules if doc)]
-    random.Random(0).shuffle(documents)  # a fixed mix, so the val split (the first documents) has both kinds
-    return tuple(documents)
-
-
-def _quiet_import(name: str) -> types.ModuleType | None:
-    """Import a stdlib module for its docstrings; None when it is missing on this platform or fails to import."""
-    try:
-        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
-            return importlib.import_module(name)
-    except Exception:  # absent C extensions, other platforms' modules: skipped, the corpus is what imports here
-        return None
-
-
-def _stdlib_module_names() -> list[str]:
-    """Public stdlib modules and their public submodules that import here, sorted by name."""
-
-    def public(name: str) -> bool:
-        return not any(part.startswith("_") or part in DEMO_SKIP_PARTS for part in name.split("."))
-
-    found = []
-    pending = sorted(name for name in sys.stdlib_module_names if public(name) and name not in DEMO_SKIP_MODULES)
-    while pending:
-        name = pending.pop()
-        module = _quiet_import(name)
-        if module is None:
-            continue
-        found.append(name)
-        submodules = pkgutil.iter_modules(getattr(module, "__path__", []), prefix=f"{name}.")
-        pending += [info.name for info in submodules if public(info.name)]
-    return sorted(found)
-
-
-def _module_document(name: str, seen: set[str]) -> str:
-    """A module's docstrings, each under a `class`/`def` heading with parameter names, then its source comments."""
-    module = sys.modules[name]
-    parts = []
-
-    def add(heading: str, text: object) -> None:
-        if isinstance(text, str) and len(text := inspect.cleandoc(text).strip()) >= MIN_DEMO_TEXT and text not in seen:
-            seen.add(text)
-            parts.append(f"{heading}\n{text}")
-
-    add(f"module {name}", module.__doc__)
-    for attr, obj in sorted(vars(module).items()):
-        if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
-            continue
-        add(f"{'class' if inspect.isclass(obj) else 'def'} {name}.{attr}{_parameters(obj)}", obj.__doc__)
-        if inspect.isclass(obj):
-            for member_name, member in sorted(vars(obj).items()):
-                is_documented_member = inspect.isroutine(member) or inspect.isdatadescriptor(member)
-                if is_documented_member and (member_name == "__init__" or not member_name.startswith("_")):
-                    add(f"def {attr}.{member_name}{_parameters(member)}", member.__doc__)
-    comments = _source_comments(getattr(module, "__file__", None), seen)
-    if comments:
-        parts.append("comments in the source of " + name + "\n" + "\n\n".join(comments))
-    return "\n\n".join(parts)
-
-
-def _parameters(obj: object) -> str:
-    """`(a, b, *args)`: parameter names only. Default values are left out: their reprs can hold anything, even the
-    process environment (a default of `os.environ`), which has no place in a corpus."""
-    try:
-        signature = inspect.signature(obj)
-    except Exception:  # builtins without a text signature, descriptors: no parameter list
-        return ""
-    bare = [p.replace(default=p.empty, annotation=p.empty) for p in signature.parameters.values()]
-    return str(signature.replace(parameters=bare, return_annotation=signature.empty))
-
-
-def _source_comments(path: str | None, seen: set[str]) -> list[str]:
-    """Paragraphs of consecutive full-line `#` comments in a module's Python source."""
-    if not path or not path.endswith(".py"):
-        return []
-    paragraphs, block = [], []
-    for line in [*Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), ""]:
-        stripped = line.strip()
-        if stripped.startswith("#") and not stripped.startswith("#!"):
-            block.append(stripped.lstrip("#").strip())
-            continue
-        text = "\n".join(block).strip()
-        block = []
-        if len(text) >= MIN_DEMO_TEXT and text not in seen:
-            seen.add(text)
-            paragraphs.append(text)
-    return paragraphs
-
-
-def _utf8_error(path: Path, byte_offset: int) -> PPTError:
-    return PPTError(
-        f"{path} is not valid UTF-8 (byte offset {byte_offset}); re-encode it to UTF-8, "
-        f"e.g. `iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`"
-    )
-
-
-def _txt_documents(path: Path) -> Iterator[str]:
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _utf8_error(path, exc.start) from exc
-    yield text
-
-
-def _jsonl_documents(path: Path) -> Iterator[str]:
-    offset = 0
-    with open(path, "rb") as f:
-        for line_number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise _utf8_error(path, offset + exc.start) from exc
-            offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PPTError(f"{path}:{line_number} is not valid JSON ({exc.msg}); fix or remove that line") from exc
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise PPTError(f'{path}:{line_number} has no string `text` field; each line must be {{"text": ...}}')
-            yield record["text"]
-
-
-def _parquet_documents(path: Path) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
-    parquet = pq.ParquetFile(path)
-    if "text" not in parquet.schema_arrow.names:
-        raise PPTError(f"{path} has no `text` column (columns: {', '.join(parquet.schema_arrow.names)})")
-    for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            yield text or ""
-
-
-def local_documents(files: list[Path]) -> Iterator[str]:
-    readers = {".txt": _txt_documents, ".jsonl": _jsonl_documents, ".parquet": _parquet_documents}
-    for path in files:
-        yield from readers[path.suffix](path)
-
-
-def open_fineweb(skip: int) -> Iterator[str]:
-    """Stream FineWeb-Edu-Dedup from the hub; with HF_HUB_OFFLINE set, read a dataset already in the HF cache.
-
-    Opens the dataset now, so an unreachable hub fails before anything is written.
-    """
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-    how_to_work_offline = (
-        "to work offline use `--source demo`, or local .txt/.jsonl/.parquet files, or set HF_HUB_OFFLINE=1 "
-        "with the dataset already in the Hugging Face cache"
-    )
-    try:
-        import datasets  # lazy: importing this script never touches the network
-
-        dataset = datasets.load_dataset(FINEWEB_REPO, FINEWEB_CONFIG, split="train", streaming=not offline)
-    except Exception as exc:  # connection, auth, missing cache: all mean "cannot get the data"
-        raise PPTError(f"cannot open {FINEWEB_REPO} ({FINEWEB_CONFIG}): {exc}; {how_to_work_offline}") from exc
-    if skip:
-        dataset = dataset.skip(skip)
-
-    def texts() -> Iterator[str]:
-        examples = iter(dataset)
-        while True:
-            try:
-                example = next(examples)
-            except StopIteration:
-                return
-            except Exception as exc:
-                raise PPTError(
-                    f"lost {FINEWEB_REPO} while streaming ({exc}); re-run the same command to resume"
-                ) from exc
-            yield example["text"]
-
-    return texts()
-
-
-# ---- tokenization ------------------------------------------------------------------------------------------------
-
-
-def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens per document, all tokens concatenated); each document ends with EOT, empty ones get 0 tokens."""
-    keep = [i for i, text in enumerate(texts) if text.strip()]
-    encoded = tokenizer.encode_batch([texts[i] for i in keep])
-    lengths = np.zeros(len(texts), dtype=np.int64)
-    lengths[keep] = [len(ids) for ids in encoded]
-    tokens = np.fromiter(itertools.chain.from_iterable(encoded), token_dtype(tokenizer.vocab_size), int(lengths.sum()))
-    return lengths, tokens
-
-
-_worker_tokenizer: Tokenizer | None = None
-
-
-def _init_worker(tokenizer_json: str, name: str) -> None:
-    global _worker_tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and kill are the parent's to handle: it ends the pool
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _worker_tokenizer = Tokenizer(BackendTokenizer.from_str(tokenizer_json), name)
-
-
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    assert _worker_tokenizer is not None, "worker used before _init_worker"
-    return encode_documents(_worker_tokenizer, texts)
-
-
-@contextmanager
-def worker_pool(tokenizer: Tokenizer, workers: int) -> Iterator[Pool | None]:
-    """Tokenizer processes, or None for in-process tokenization when workers <= 1.
-
-    On Linux the workers are forked (instant; spawning re-imports torch in each) so open the pool before the
-    document source starts any threads. Each worker encodes single-threaded: the processes are the parallelism.
-    """
-    # one thread per process, so --workers is the number of cores used (inherited by the workers; it also
-    # silences tokenizers' warning about forking after its thread pool ran)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    if workers <= 1:
-        yield None
-        return
-    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    # The workers start with SIGTERM's default action, not this process's handler: a worker stuck in C code before
-    # its initializer runs (a lock some thread of this process held at the fork) is still ended by terminate(),
-    # where a Python-level handler would never run and the pool's exit would wait for it forever.
-    handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        pool = context.Pool(workers, _init_worker, (tokenizer.backend.to_str(), tokenizer.name))
-    finally:
-        signal.signal(signal.SIGTERM, handler)
-    with pool:
-        yield pool  # leaving the block terminates the workers, also when stopped early
-
-
-def encode_in_order(
-    batches: Iterable[list[str]], tokenizer: Tokenizer, pool: Pool | None, workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Encode batches of documents, on the pool's workers if there is one, yielding results in input order.
-
-    At most 2 * workers batches are in flight, so a streamed corpus is never read far ahead into memory.
-    """
-    if pool is None:
-        for texts in batches:
-            yield encode_documents(tokenizer, texts)
-        return
-    pending: deque[AsyncResult] = deque()
-    for texts in batches:
-        pending.append(pool.apply_async(_encode_in_worker, (texts,)))
-        if len(pending) >= 2 * workers:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
-
-
-def batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    iterator = iter(items)
-    while batch := list(itertools.islice(iterator, size)):
-        yield batch
-
-
-# ---- shards and progress -----------------------------------------------------------------------------------------
-
-
-@dataclass
-class ShardBuffer:
-    """The documents of the shard being filled: EOT, doc, EOT, doc, EOT ..."""
-
-    target_tokens: int
-    eot_id: int
-    parts: list[np.ndarray] = field(default_factory=list)
-    tokens: int = 1  # the leading EOT
-    docs: int = 0
-    docs_consumed: int = 0  # documents read from the source, empty ones included
-
-    def add(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
-        self.parts.append(tokens)
-        self.tokens += tokens.size
-        self.docs += int(np.count_nonzero(lengths))
-        self.docs_consumed += lengths.size
-
-    @property
-    def full(self) -> bool:
-        return self.tokens >= self.target_tokens
-
-    def array(self, dtype: np.dtype) -> np.ndarray:
-        return np.concatenate([np.array([self.eot_id], dtype=dtype), *self.parts])
-
-
-class ShardWriter:
-    """Fills the val shard, then train shards, and records progress in meta.json after every finished shard.
-
-    The val shard is held back until the first train shard is written, so a corpus too small for both leaves
-    nothing behind.
-    """
-
-    def __init__(self, out: Path, meta: dict, tokenizer: Tokenizer, target_shards: int | None) -> None:
-        self.out, self.meta, self.tokenizer, self.target_shards = out, meta, tokenizer, target_shards
-        settings = meta["settings"]
-        val_done = meta["val"]["shards"] == 1
-        self.val = None if val_done else ShardBuffer(settings["val_tokens"], tokenizer.eot_id)
-        self.train = ShardBuffer(settings["shard_tokens"], tokenizer.eot_id)
-        self.done = self.finished(meta, target_shards)
-        self.tokens_written = 0
-
-    @staticmethod
-    def finished(meta: dict, target_shards: int | None) -> bool:
-        shards = meta["train"]["shards"]
-        return meta["progress"]["exhausted"] or (target_shards is not None and shards >= target_shards)
-
-    def feed(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
-        """Add a batch of encoded documents, closing shards at the first document boundary past their size."""
-        ends = np.cumsum(lengths)
-        first = 0
-        while first < lengths.size and not self.done:
-            buffer = self.val if self.val is not None and not self.val.full else self.train
-            start = int(ends[first - 1]) if first else 0
-            # the first document whose end brings the buffer to its target size
-            last = int(np.searchsorted(ends, start + buffer.target_tokens - buffer.tokens, side="left"))
-            last = min(last, lengths.size - 1)
-            buffer.add(lengths[first : last + 1], tokens[start : int(ends[last])])
-            first = last + 1
-            if buffer is self.train and buffer.full:
-                self.flush()
-
-    def flush(self) -> None:
-        """Write the pending val shard (if any) and the train shard, then the progress that covers them."""
-        dtype = token_dtype(self.tokenizer.vocab_size)
-        if self.val is not None:
-            self._write("val", 0, self.val.array(dtype), self.val)
-            self.val = None
-        index = self.meta["train"]["shards"]
-        self._write("train", index, self.train.array(dtype), self.train)
-        self.train = ShardBuffer(self.meta["settings"]["shard_tokens"], self.tokenizer.eot_id)
-        self.done = self.finished(self.meta, self.target_shards)
-        with disk_errors(self.out / "meta.json", self.shard_bytes()):
-            write_meta(self.out, self.meta)
-
-    def shard_bytes(self) -> int:
-        return self.meta["settings"]["shard_tokens"] * token_dtype(self.tokenizer.vocab_size).itemsize
-
-    def _write(self, split: str, index: int, array: np.ndarray, buffer: ShardBuffer) -> None:
-        tok = self.tokenizer
-        path = shard_path(self.out, split, index)
-        with disk_errors(path, self.shard_bytes()):
-            write_shard(
-                path,
-                array,
-                vocab_size=tok.vocab_size,
-                eot_id=tok.eot_id,
-                fingerprint=tok.fingerprint,
-                demo=tok.is_demo,
-                tokenizer_name=tok.name,
-            )
-        counts = self.meta[split]
-        counts["shards"] += 1
-        counts["docs"] += buffer.docs
-        counts["tokens"] += array.size
-        self.meta["progress"]["docs_consumed"] += buffer.docs_consumed
-        self.tokens_written += array.size
-
-    def finish(self) -> None:
-        """The source ran out: write what is left, or explain why there is nothing to write."""
-        if self.val is not None and (not self.val.full or self.train.docs == 0):
-            if self.val.docs == 0:
-                raise PPTError("the corpus has no documents (or only empty ones); check --source")
-            total = self.val.tokens + self.train.tokens - 1
-            raise PPTError(
-                f"the corpus is too small: its {total:,} tokens do not fill the val shard "
-                f"(--val-tokens {self.val.target_tokens}) and leave some for training; lower --val-tokens, "
-                f"e.g. --val-tokens {max(2, int(total * VAL_SHARE))} ({VAL_SHARE:.0%})"
-            )
-        if self.train.docs:
-            self.flush()
-        self.meta["progress"]["exhausted"] = True
-        self.done = True
-        with disk_errors(self.out / "meta.json", self.shard_bytes()):
-            write_meta(self.out, self.meta)
-
-
-@contextmanager
-def disk_errors(path: Path, shard_bytes: int) -> Iterator[None]:
-    """A failed write (full disk, lost permission) as one line: what failed, that finished shards are kept, the fix."""
-    try:
-        yield
-    except OSError as exc:
-        raise PPTError(
-            f"could not write {path} ({exc.strerror or exc}); the finished shards are kept. Free space (a shard takes "
-            f"about {format_sizes(shard_bytes)[0]}) or pass another --out, then re-run the same command to resume"
-        ) from exc
-
-
-def new_meta(
-    source: str | list[str],
-    tokenizer: Tokenizer,
-    shard_tokens: int,
-    val_tokens: int,
-    shuffle_seed: int | None = None,
-    origin: dict | None = None,
-) -> dict:
-    """A fresh meta.json. `origin` says where the tokenizer came from (hub, file, demo, or trained on this corpus)."""
-    settings = {"shard_tokens": shard_tokens, "val_tokens": val_tokens}
-    if shuffle_seed is not None:  # absent otherwise, as in directories prepared before the option existed
-        settings["shuffle_seed"] = shuffle_seed
-    return {
-        "format": META_FORMAT,
-        "source": source,
-        "tokenizer": {
-            "name": tokenizer.name,
-            "fingerprint": tokenizer.fingerprint,
-            "is_demo": tokenizer.is_demo,
-            "vocab_size": tokenizer.vocab_size,
-            "eot_id": tokenizer.eot_id,
-            **({"origin": origin} if origin else {}),
-        },
-        "settings": settings,
-        "val": {"shards": 0, "docs": 0, "tokens": 0},
-        "train": {"shards": 0, "docs": 0, "tokens": 0},
-        "progress": {"docs_consumed": 0, "exhausted": False},
-    }
-
-
-def check_resumable(out: Path, meta: dict, expected: dict) -> None:
-    """A directory can be resumed only with the source, tokenizer and sizes it was started with."""
-    for key in ("source", "settings"):
-        if meta.get(key) != expected[key]:
-            raise PPTError(
-                f"{out} was prepared with {key} {meta.get(key)}, not {expected[key]}; "
-                "pass another --out, or delete the directory to start over"
-            )
-    if meta["tokenizer"]["fingerprint"] != expected["tokenizer"]["fingerprint"]:
-        raise PPTError(
-            f"{out} was prepared with tokenizer {meta['tokenizer']['name']}, not {expected['tokenizer']['name']}; "
-            "pass another --out, or delete the directory to start over"
-        )
-
-
-def remove_leftovers(out: Path, meta: dict) -> None:
-    """Temp files of a killed write, and shards written after the last progress update (rewritten anyway)."""
-    for tmp in out.glob(".*.tmp"):
-        tmp.unlink()
-    for split in ("val", "train"):
-        for path in out.glob(f"{split}_[0-9][0-9][0-9][0-9][0-9].bin"):
-            if int(path.stem[-5:]) >= meta[split]["shards"]:
-                path.unlink()
-
-
-# ---- the corpus: tokenizer, size, val split ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CorpusSize:
-    """A local corpus measured before it is tokenized."""
-
-    files: int
-    text_bytes: int
-    exact: bool  # False: from file sizes and parquet metadata
-    bytes_per_token: float  # measured on the first SAMPLE_BYTES of text
-
-    @property
-    def tokens(self) -> int:
-        return int(self.text_bytes / self.bytes_per_token)
-
-    def describe(self) -> str:
-        about = "" if self.exact else "about "
-        files = f"{self.files} file{'s' * (self.files != 1)}"
-        return (
-            f"{files}, {about}{format_sizes(self.text_bytes)[0]} of text, about {self.tokens:,} tokens "
-            f"({self.bytes_per_token:.2f} bytes per token on its first {format_sizes(SAMPLE_BYTES)[0]})"
-        )
-
-
-def estimate_text_bytes(files: list[Path]) -> int:
-    """Bytes of document text in local files, without reading them whole: a .txt file's size, a .parquet file's
-    uncompressed `text` column, a .jsonl file's size times the text's share of the first megabyte of the first one."""
-    total, jsonl_share = 0.0, None
-    for path in files:
-        if path.suffix == ".txt":
-            total += path.stat().st_size
-        elif path.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            metadata = pq.ParquetFile(path).metadata
-            columns = [metadata.schema.column(i).path for i in range(metadata.num_columns)]
-            if "text" in columns:
-                column = columns.index("text")
-                groups = range(metadata.num_row_groups)
-                total += sum(metadata.row_group(g).column(column).total_uncompressed_size for g in groups)
-        else:
-            jsonl_share = _jsonl_text_share(path) if jsonl_share is None else jsonl_share
-            total += path.stat().st_size * jsonl_share
-    return int(total)
-
-
-def _jsonl_text_share(path: Path) -> float:
-    raw = text = 0
-    with open(path, "rb") as f:
-        for line in f:
-            raw += len(line)
-            try:
-                text += len(json.loads(line)["text"].encode("utf-8"))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                pass  # the tokenizing pass names bad lines
-            if raw >= SAMPLE_BYTES:
-                break
-    return text / raw if raw else 1.0
-
-
-def bytes_per_token(tokenizer: Tokenizer, documents: Iterable[str]) -> float:
-    """Text bytes per token (EOT included) over the first SAMPLE_BYTES of the documents."""
-    sample, size = [], 0
-    for text in documents:
-        if text.strip():
-            piece = text[: SAMPLE_BYTES - size]  # characters: at least as many bytes
-            sample.append(piece)
-            size += len(piece.encode("utf-8"))
-        if size >= SAMPLE_BYTES:
-            break
-    if not sample:
-        raise PPTError("the corpus has no documents (or only empty ones); check --source")
-    return size / sum(len(ids) for ids in tokenizer.encode_batch(sample))
 
 
 def val_split_tokens(requested: int | None, corpus: CorpusSize) -> int:
@@ -798,22 +211,6 @@ def check_options(args: argparse.Namespace, kind: str) -> None:
         raise PPTError("--vocab-size is the size of a tokenizer prepare trains: add --train-tokenizer, or drop it")
     if args.shuffle_seed is not None and kind != "local":
         raise PPTError(f"--shuffle-seed shuffles local files; --source {kind} comes in its own fixed order")
-
-
-def local_document_source(files: list[Path], shuffle_seed: int | None) -> Callable[[], Iterator[str]]:
-    """A function giving the documents of local files from the start, each time in the same order: the files'
-    order, or with `shuffle_seed` a seeded shuffle of all documents, held in memory."""
-    if shuffle_seed is None:
-        return lambda: local_documents(files)
-    text_bytes = estimate_text_bytes(files)
-    if text_bytes > SHUFFLE_MAX_BYTES:
-        raise PPTError(
-            f"--shuffle-seed holds the corpus in memory, and it has about {format_sizes(text_bytes)[0]} of text "
-            f"(at most {format_sizes(SHUFFLE_MAX_BYTES)[0]}); shuffle its files or lines beforehand instead"
-        )
-    documents = list(local_documents(files))
-    random.Random(shuffle_seed).shuffle(documents)
-    return lambda: iter(documents)
 
 
 def check_free_space(out: Path, needed: int) -> None:

@@ -3,19 +3,38 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import runpy
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import third_arch
+import torch
 
-from ppt.data import write_shard
+import ppt.model
+from ppt.shards import write_shard
+
+# A third architecture joins ppt/model.py for the whole test run, before any test module imports it: every test that
+# discovers the architectures runs on it as on the shipped two (tests/third_arch.py).
+third_arch.register(ppt.model)
 
 # Set before any test module imports huggingface_hub, which reads these once at import.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 DEMO_VOCAB = 512  # small enough that training and tokenizing the demo corpus take well under a second
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`): tiny steps gain
+    nothing from threads, and on a shared 2-core machine spinning threads slow everyone down."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
@@ -57,3 +76,23 @@ def make_token_dir(tmp_path: Path) -> Callable[..., Path]:
         return tmp_path / "data"
 
     return write
+
+
+@pytest.fixture
+def run_tool(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[int, str, str]]:
+    """Returns run(module, *args): a measurement tool run as its command runs it (`python -m bench.NAME ARGS`, as
+    __main__), in this process, so tests use bench/ through its command line only; gives (exit status, stdout,
+    stderr)."""
+
+    def run(module: str, *args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", [module, *args])
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

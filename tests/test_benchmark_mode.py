@@ -74,8 +74,8 @@ def test_deterministic_runs_repeat_their_losses_and_leave_the_setting_as_it_was(
 
 
 def test_synthetic_phrases_repeat_a_small_phrase_book_and_uniform_tokens_do_not(tmp_path):
-    from ppt.data import read_shard, shard_path
-    from scripts.bench_train import write_synthetic_data
+    from ppt.shards import read_shard, shard_path
+    from ppt.synthetic import write_synthetic_data
 
     def distinct_successions(phrases: int) -> int:
         directory = tmp_path / f"phrases{phrases}"

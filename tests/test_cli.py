@@ -58,7 +58,12 @@ FROZEN = {
         "--no-wandb",
     ],
     "scripts.export_hf": ["--model-tag", "--out"],
-    "ppt.flops": ["--config", "--batch-size", "--seq-len", "--device"],
+    "scripts.flops": ["--config", "--batch-size", "--seq-len", "--device"],
+    # measurement tools: an outside baseline is a path given on the command line
+    "bench.bench_screening": ["--ref", "--baseline", "--baseline-optim"],
+    "bench.kernel_stats": ["--kernel-file", "--blocks"],
+    "bench.bench_train": ["--config", "--steps", "--compile", "--nproc", "--profile"],
+    "bench.check_hf_import": ["--hf-dir", "--max-bpb"],
 }
 
 
@@ -113,11 +118,12 @@ def test_shell_scripts_use_only_existing_flags(help_texts):
 
 # ---- every numeric flag of every entry point refuses bad values ------------------------------------------------------
 
-ENTRY_POINTS = [
-    f"scripts.{p.stem}"
-    for p in sorted((ROOT / "scripts").glob("*.py"))
+ENTRY_POINTS = [  # what users start and the measurement tools, found so that a new one is covered without a test edit
+    f"{folder}.{p.stem}"
+    for folder in ("scripts", "bench")
+    for p in sorted((ROOT / folder).glob("*.py"))
     if 'if __name__ == "__main__":' in p.read_text()
-] + ["ppt.flops"]
+]
 NOT_OURS = {"scripts.lm_eval"}  # lm-eval's own command line, flags and checks
 BAD_VALUES = {
     "zero": "0",

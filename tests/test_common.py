@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from ppt import common
+from ppt import common, locks
 
 
 def test_dtype_autodetect_and_override(monkeypatch):
@@ -52,7 +52,7 @@ def owner_record(pid: int, host: str | None = None) -> str:
     """A lock file's content as another process would have written it."""
     return json.dumps(
         {"pid": pid, "host": host or socket.gethostname(), "started": "2025-01-01T00:00:00", "argv": ["base_train"],
-         "process_start": common._process_start(pid), "token": "someone-else"}
+         "process_start": locks._process_start(pid), "token": "someone-else"}
     )  # fmt: skip
 
 
@@ -66,57 +66,57 @@ def live_process():
 
 
 def test_a_live_owner_keeps_its_lock_and_is_named(tmp_path, live_process):
-    (tmp_path / common.LOCK_NAME).write_text(owner_record(live_process.pid))
+    (tmp_path / locks.LOCK_NAME).write_text(owner_record(live_process.pid))
     with pytest.raises(common.PPTError) as busy:
-        common.lock_directory(tmp_path, "pass another --out-dir")
+        locks.lock_directory(tmp_path, "pass another --out-dir")
     message = str(busy.value)
     assert f"is in use by another run: pid {live_process.pid} on {socket.gethostname()}" in message
     assert "`base_train`" in message and message.endswith("wait for it, or pass another --out-dir")
-    assert json.loads((tmp_path / common.LOCK_NAME).read_text())["token"] == "someone-else"
+    assert json.loads((tmp_path / locks.LOCK_NAME).read_text())["token"] == "someone-else"
 
 
 def test_a_dead_owners_lock_is_taken_over_and_released(tmp_path, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # reaped: its pid names no process now
-    (tmp_path / common.LOCK_NAME).write_text(owner_record(dead.pid))
-    lock = common.lock_directory(tmp_path, "pass another --out-dir")
+    (tmp_path / locks.LOCK_NAME).write_text(owner_record(dead.pid))
+    lock = locks.lock_directory(tmp_path, "pass another --out-dir")
     err = capsys.readouterr().err
     assert (
         f"was locked by pid {dead.pid} on {socket.gethostname()}" in err and "no longer running; taking it over" in err
     )
     owner = json.loads(lock.path.read_text())
     assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname() and "argv" in owner
-    common.release_locks()
+    locks.release_locks()
     assert not lock.path.exists() and not list(tmp_path.iterdir())
 
 
 def test_a_pid_reused_by_a_newer_process_does_not_hold_the_lock(tmp_path, live_process):
     record = json.loads(owner_record(live_process.pid))
     record["process_start"] = "1"  # the owner started at boot; the process with its pid now did not
-    (tmp_path / common.LOCK_NAME).write_text(json.dumps(record))
-    common.lock_directory(tmp_path, "fix")
-    common.release_locks()
+    (tmp_path / locks.LOCK_NAME).write_text(json.dumps(record))
+    locks.lock_directory(tmp_path, "fix")
+    locks.release_locks()
 
 
 def test_another_hosts_lock_is_refused_with_how_to_remove_it(tmp_path):
-    (tmp_path / common.LOCK_NAME).write_text(owner_record(12345, host="gpu-node-7"))
+    (tmp_path / locks.LOCK_NAME).write_text(owner_record(12345, host="gpu-node-7"))
     with pytest.raises(
         common.PPTError, match=r"locked by pid 12345 on gpu-node-7, .*another host.*delete .*\.ppt\.lock"
     ):
-        common.lock_directory(tmp_path, "pass another --out")
+        locks.lock_directory(tmp_path, "pass another --out")
 
 
 def test_release_leaves_another_runs_lock_alone(tmp_path):
-    lock = common.lock_directory(tmp_path, "fix")
+    lock = locks.lock_directory(tmp_path, "fix")
     lock.path.write_text(owner_record(os.getpid()))  # replaced, say by hand, by someone else's
-    common.release_locks()
+    locks.release_locks()
     assert lock.path.exists()
 
 
 def test_an_unreadable_lock_file_says_to_delete_it_if_unused(tmp_path):
-    (tmp_path / common.LOCK_NAME).write_text("{half")
+    (tmp_path / locks.LOCK_NAME).write_text("{half")
     with pytest.raises(common.PPTError, match=r"lock file .*\.ppt\.lock is unreadable .*if no run uses .*, delete it"):
-        common.lock_directory(tmp_path, "fix")
+        locks.lock_directory(tmp_path, "fix")
 
 
 # ---- numbers and sizes ---------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader
-from ppt.flops import ComparisonFlops, comparison_flops_rule
 from ppt.model import build_model, get_config
 from scripts import base_train
 
@@ -177,7 +177,7 @@ def test_sdpa_with_an_explicit_mask_counts_densely():
 @pytest.fixture(scope="module")
 def short_docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Synthetic shards of short documents (about 12 tokens), so 32-token rows hold several."""
-    from scripts.bench_train import write_synthetic_data
+    from ppt.synthetic import write_synthetic_data
 
     directory = tmp_path_factory.mktemp("short_docs")
     write_synthetic_data(directory, 512, 20_000, 12, seed=0, val_tokens=2048, phrases=50)
@@ -223,12 +223,7 @@ def step_rows(out: Path) -> list[tuple[int, int, float]]:
     return [(h["step"], h["comparison_flops"], h["loss"]) for h in history if "loss" in h]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_a_run_counts_the_documents_of_the_batches_it_trained_on(short_docs, tmp_path):

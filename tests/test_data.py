@@ -9,7 +9,8 @@ import torch
 
 from ppt import data
 from ppt.common import PPTError
-from ppt.data import HEADER_BYTES, DataLoader, dataset_fingerprint, read_shard, write_shard
+from ppt.data import DataLoader
+from ppt.shards import HEADER_BYTES, dataset_fingerprint, read_shard, write_shard
 
 FP = "ab" * 32
 

@@ -47,7 +47,13 @@ LOSS_RTOL = 1e-6  # 1 vs 2 ranks: same rows, reductions in another order (measur
 def worker_main(spec_path: str) -> None:
     """One rank: run each run of the spec through base_train.main, then dump what this rank wrote, logged and exited
     with. A run may name a step in which rank 1 alone gets SIGTERM, as when a preemption notice reaches the ranks at
-    slightly different times."""
+    slightly different times. A run that stops with an error records its message."""
+    import third_arch
+
+    import ppt.model
+
+    third_arch.register(ppt.model)  # as conftest.py does in pytest's process
+    from ppt.common import PPTError
     from scripts import base_train
 
     spec = json.loads(Path(spec_path).read_text())
@@ -57,6 +63,7 @@ def worker_main(spec_path: str) -> None:
     renamed: list[str] = []  # os.replace destinations: how checkpoints and manifests appear
     wandb_calls: list[str] = []
     exit_codes: list[int] = []
+    errors: list[str] = []
     signal_in_step: list[int | None] = [None]
     steps_started = [0]
 
@@ -101,11 +108,16 @@ def worker_main(spec_path: str) -> None:
                 exit_codes.append(0)
             except SystemExit as exc:  # how base_train ends a run stopped by a signal
                 exit_codes.append(exc.code)
+            except PPTError as exc:  # what run_cli prints as one line, exiting 2
+                exit_codes.append(2)
+                errors.append(str(exc))
     finally:
         builtins.open = io.open = real_open
         os.replace, base_train.set_lr = real_replace, real_set_lr
     with open(Path(spec["log_dir"]) / f"rank{rank}.json", "w") as f:
-        json.dump({"opened": opened, "renamed": renamed, "wandb": wandb_calls, "exit_codes": exit_codes}, f)
+        json.dump(
+            {"opened": opened, "renamed": renamed, "wandb": wandb_calls, "exit_codes": exit_codes, "errors": errors}, f
+        )
 
 
 # ---- the runs, once per module -------------------------------------------------------------------------------------
@@ -134,7 +146,7 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     """The 2-rank runs in one torchrun launch (whole; stopped, then resumed; signalled; blocks) and the 1-rank runs
     (one; blocks_one)."""
     root = tmp_path_factory.mktemp("ddp")
-    names = ("cache1", "cache2", "whole", "parts", "signalled", "logs", "one", "blocks", "blocks_one")
+    names = ("cache1", "cache2", "whole", "parts", "signalled", "logs", "one", "blocks", "blocks_one", "spare", "late")
     dirs = {name: root / name for name in names}
     for d in dirs.values():
         d.mkdir()
@@ -145,6 +157,9 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     # one micro-batch per rank, against one process with the same micro-batches accumulated (BLOCKS_BATCH_TOKENS)
     blocks = ["--total-batch-tokens", str(BLOCKS_BATCH_TOKENS), "--target-tokens", str(STEPS * BLOCKS_BATCH_TOKENS)]
     blocks += ["--save-every", "0", "--tag", "blocks"]
+    # tests/third_arch.py with a layer no forward uses, or only the first forward on data (the check before DDP)
+    spare = [*two, "--max-steps", "2", "--save-every", "0", "--tag", "spare", "--out-dir", str(dirs["spare"])]
+    late = [*two, "--max-steps", "3", "--save-every", "0", "--tag", "late", "--out-dir", str(dirs["late"])]
     spec = {
         "log_dir": str(dirs["logs"]),
         "runs": [
@@ -153,8 +168,10 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
             {"argv": [*parts, "--resume", "auto"]},
             {"argv": signalled, "signal_rank1_in_step": SIGNAL_IN_STEP},
             {"argv": [*two, *blocks, "--out-dir", str(dirs["blocks"])]},
+            {"argv": [*spare, "--config", "gpt2-spare"]},
+            {"argv": [*late, "--config", "gpt2-spare-late"]},  # last: it stops with an error, its group still up
         ],
-        "ports": free_ports(5),
+        "ports": free_ports(7),
     }
     (root / "spec.json").write_text(json.dumps(spec))
 
@@ -236,8 +253,9 @@ def test_one_micro_batch_per_rank_equals_one_process_accumulating_the_same_micro
 
 def test_ranks_train_on_disjoint_rows_whose_union_is_the_one_rank_batch(runs, demo_data_dir):
     """The first step's logged loss is the mean of the losses of rank 0's and rank 1's rows, and those differ."""
-    from ppt.data import DataLoader, load_data_tokenizer
+    from ppt.data import DataLoader
     from ppt.model import build_model, get_config
+    from ppt.shards import load_data_tokenizer
 
     def first_step_rows(batch_size: int, rank: int, world: int) -> tuple[torch.Tensor, ...]:
         loader = DataLoader(demo_data_dir, "train", batch_size, SEQ_LEN, rank, world, seed=0)
@@ -272,7 +290,7 @@ def test_only_rank_zero_writes_checkpoints_reports_and_wandb(runs):
     assert saved == ["step_00000002.pt", "step_00000004.pt", "step_00000006.pt"]  # each once, nothing per rank
     assert sorted(p.name for p in runs["whole"].iterdir()) == [*saved, "whole.json", "whole_loss.png"]
     reports = sorted(p.relative_to(runs["cache2"]).as_posix() for p in runs["cache2"].rglob("*") if p.is_file())
-    assert reports == ["reports/blocks.json", "reports/parts.json", "reports/signalled.json", "reports/whole.json"]
+    assert reports == [f"reports/{name}.json" for name in ("blocks", "parts", "signalled", "spare", "whole")]
     assert sorted(p.name for p in runs["parts"].iterdir()) == [
         "parts.json", "parts_loss.png", f"step_{STOP_AT:08d}.pt", f"step_{STEPS:08d}.pt",
     ]  # fmt: skip
@@ -293,11 +311,28 @@ def test_two_rank_resume_continues_exactly(runs):
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(runs):
     """Otherwise rank 0 starts another step whose gradient all-reduce rank 1 never joins, and the job hangs."""
     logs = [manifest(runs["logs"] / f"rank{rank}.json") for rank in (0, 1)]
-    assert [log["exit_codes"] for log in logs] == [[0, 0, 0, 128 + signal.SIGTERM, 0]] * 2  # then the blocks run
+    assert [log["exit_codes"][:5] for log in logs] == [[0, 0, 0, 128 + signal.SIGTERM, 0]] * 2  # then the blocks run
     stopped = manifest(runs["signalled"] / "signalled.json")
     assert stopped["stopped_at"] == SIGNAL_IN_STEP and "final_val" not in stopped
     assert losses(stopped["history"]) == losses(manifest(runs["whole"] / "whole.json")["history"])[:SIGNAL_IN_STEP]
     assert sorted(p.name for p in runs["signalled"].iterdir()) == ["signalled.json", f"step_{SIGNAL_IN_STEP:08d}.pt"]
+
+
+def test_parameters_without_a_gradient_are_found_before_ddp_is_built_and_named(runs):
+    """A layer no forward uses: DDP is built with find_unused_parameters, says so, and trains; one that only the
+    check's forward used stops the next step with one error that says what to change, instead of DDP's own."""
+    spare = manifest(runs["spare"] / "spare.json")
+    assert spare["train"]["ddp_find_unused_parameters"] is True and spare["steps_done"] == 2
+    assert manifest(runs["whole"] / "whole.json")["train"]["ddp_find_unused_parameters"] is False
+    log = (runs["logs"].parent / "torchrun.log").read_text()
+    note = "note: 2 parameters got no gradient in a first forward and backward (spare.bias, spare.weight); DDP runs "
+    assert note + "with find_unused_parameters=True" in log
+    logs = [manifest(runs["logs"] / f"rank{rank}.json") for rank in (0, 1)]
+    assert [log["exit_codes"][5:] for log in logs] == [[0, 2]] * 2
+    for rank_log in logs:
+        (error,) = rank_log["errors"]
+        assert error.startswith("under DDP, some parameters got no gradient in step 1 though all had one in a first")
+        assert "make every parameter take part in every step's loss in ppt/model.py" in error
 
 
 def test_workers_exit_without_nanobind_leak_reports(runs):

@@ -313,7 +313,7 @@ def trained_run(demo_data_dir, offline_private_cache):
     import dataclasses
 
     from ppt import checkpoint as ckpt
-    from ppt.data import load_data_tokenizer
+    from ppt.shards import load_data_tokenizer
 
     tokenizer = load_data_tokenizer(demo_data_dir)
     config = LlamaConfig(

@@ -14,12 +14,13 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+import ppt.model  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
 from ppt.evals import PPTLM, demo_examples, task_manager, write_choice_task  # noqa: E402
 from ppt.model import LlamaConfig, build_model, get_config  # noqa: E402
+from ppt.model_io import ModelFile, encoding_fingerprint, load_run  # noqa: E402
 from ppt.tokenizer import train_demo_tokenizer  # noqa: E402
 from scripts.export_hf import export_model, hf_state_dict  # noqa: E402
-from scripts.model_io import encoding_fingerprint, load_run  # noqa: E402
 
 TEXT = " ".join(
     f"Paragraph {i}: a generator yields values lazily; the caller resumes it with next() until StopIteration, "
@@ -122,7 +123,7 @@ def test_hflm_on_the_export_matches_the_adapter(exported, tmp_path):
 
 def test_the_import_reads_the_export_back_to_the_same_model_and_tokenizer(exported):
     model, tokenizer, out = exported
-    run = load_run(hf_dir=out)
+    run = load_run(hf_dir=out, model_file=ModelFile.of(ppt.model))
     assert run.config == {"class": "LlamaConfig", **dataclasses.asdict(model.config)}
     assert run.state["model"].keys() == model.state_dict().keys()
     assert all(torch.equal(run.state["model"][k], v) for k, v in model.state_dict().items())

@@ -4,6 +4,7 @@ adapter score an imported folder with the code that scores ppt runs."""
 
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -14,10 +15,13 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+import ppt.model  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
-from ppt.data import load_data_tokenizer  # noqa: E402
 from ppt.model import LlamaConfig  # noqa: E402
-from scripts.model_io import build_from_checkpoint, load_run, load_tokenizer_for  # noqa: E402
+from ppt.model_io import ModelFile, load_run, load_tokenizer_for  # noqa: E402
+from ppt.shards import load_data_tokenizer  # noqa: E402
+
+MODEL_FILE = ModelFile.of(ppt.model)
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +67,11 @@ def edited(hf_folder, tmp_path, config_edits=None, weights=None):
 
 def test_a_transformers_llama_loads_with_its_config_and_logits(hf_folder):
     directory, reference = hf_folder
-    run = load_run(hf_dir=directory)
+    run = load_run(hf_dir=directory, model_file=MODEL_FILE)
     vocab_size = reference.config.vocab_size
     expected = LlamaConfig(2, 4, 2, 64, 96, vocab_size=vocab_size, max_seq_len=48, rope_theta=500.0, rms_eps=1e-6)
     assert run.config == {"class": "LlamaConfig", **dataclasses.asdict(expected)}
-    model = build_from_checkpoint(run)
+    model = MODEL_FILE.build_from_checkpoint(run)
     idx = torch.randint(0, expected.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(idx), reference(idx).logits, atol=1e-5, rtol=1e-5)
@@ -93,7 +97,7 @@ def test_a_transformers_llama_loads_with_its_config_and_logits(hf_folder):
 )
 def test_configs_ppt_cannot_represent_are_refused(hf_folder, tmp_path, edits, message):
     with pytest.raises(PPTError, match=message):
-        load_run(hf_dir=edited(hf_folder, tmp_path, config_edits=edits))
+        load_run(hf_dir=edited(hf_folder, tmp_path, config_edits=edits), model_file=MODEL_FILE)
 
 
 def test_missing_unexpected_and_unreadable_weights_are_refused(hf_folder, tmp_path):
@@ -101,22 +105,22 @@ def test_missing_unexpected_and_unreadable_weights_are_refused(hf_folder, tmp_pa
     weights = load_file(directory / "model.safetensors")
     missing = {k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(PPTError, match="it lacks model.layers.1.mlp.up_proj.weight"):
-        load_run(hf_dir=edited(hf_folder, tmp_path / "missing", weights=missing))
+        load_run(hf_dir=edited(hf_folder, tmp_path / "missing", weights=missing), model_file=MODEL_FILE)
     untied = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}
     with pytest.raises(PPTError, match="lm_head.weight fit nowhere"):
-        load_run(hf_dir=edited(hf_folder, tmp_path / "untied", weights=untied))
+        load_run(hf_dir=edited(hf_folder, tmp_path / "untied", weights=untied), model_file=MODEL_FILE)
     no_weights = edited(hf_folder, tmp_path / "bin")
     (no_weights / "model.safetensors").rename(no_weights / "pytorch_model.bin")
     with pytest.raises(PPTError, match="no model.safetensors.*safetensors only"):
-        load_run(hf_dir=no_weights)
+        load_run(hf_dir=no_weights, model_file=MODEL_FILE)
     truncated = edited(hf_folder, tmp_path / "truncated")
     (truncated / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes()[:1000])
     with pytest.raises(PPTError, match="cannot read .*incomplete or corrupt"):
-        load_run(hf_dir=truncated)
+        load_run(hf_dir=truncated, model_file=MODEL_FILE)
     with pytest.raises(PPTError, match="holds no config.json"):
-        load_run(hf_dir=tmp_path)
+        load_run(hf_dir=tmp_path, model_file=MODEL_FILE)
     with pytest.raises(PPTError, match="names the model on its own"):
-        load_run(model_tag="tiny", hf_dir=directory)
+        load_run(model_tag="tiny", hf_dir=directory, model_file=MODEL_FILE)
 
 
 def test_base_eval_and_the_lm_eval_adapter_score_an_imported_folder(hf_folder, demo_data_dir, capsys):
@@ -136,8 +140,8 @@ def test_base_eval_and_the_lm_eval_adapter_score_an_imported_folder(hf_folder, d
     )
     shown = capsys.readouterr().out
     assert "Hugging Face folder" in shown and "up to 500 val tokens (--eval-tokens)" in shown
-    run = load_run(hf_dir=directory)
-    model, tokenizer = build_from_checkpoint(run), load_data_tokenizer(demo_data_dir)
+    run = load_run(hf_dir=directory, model_file=MODEL_FILE)
+    model, tokenizer = MODEL_FILE.build_from_checkpoint(run), load_data_tokenizer(demo_data_dir)
     expected = evaluate_bpb(model, DataLoader(demo_data_dir, "val", 8, 48).val_batches(500), tokenizer.token_bytes())
     assert expected["tokens"] == 480  # 10 rows of the model's 48 positions
     assert f"| val bits per byte ↓ (480 tokens) | {expected['bpb']:.4f} |" in shown
@@ -161,17 +165,15 @@ def test_a_folder_needs_data_made_by_its_tokenizer(hf_folder, demo_data_dir, tmp
     shutil.copytree(directory, other)
     train_demo_tokenizer(["another corpus, another tokenizer"] * 20, vocab_size=300).save(other)
     with pytest.raises(PPTError, match="comes with tokenizer .*data prepared by the model's tokenizer"):
-        load_tokenizer_for(load_run(hf_dir=other), demo_data_dir)
+        load_tokenizer_for(load_run(hf_dir=other, model_file=MODEL_FILE), demo_data_dir)
 
 
-def test_check_hf_import_compares_logits_and_scores_the_help_topics(hf_folder, capsys):
-    from scripts import check_hf_import
-
+def test_check_hf_import_compares_logits_and_scores_the_help_topics(hf_folder, run_tool):
     directory, _ = hf_folder
     argv = ["--hf-dir", str(directory), "--seq-len", "48", "--eval-tokens", "480"]
-    check_hf_import.main([*argv, "--max-bpb", "100"])  # a random model: only the logits are expected to agree
-    shown = capsys.readouterr().out
+    code, shown, err = run_tool("bench.check_hf_import", *argv, "--max-bpb", "100")  # a random model: logits agree
+    assert code == 0, err
     assert "logits of 2 rows x 48 tokens: max |ppt - transformers| =" in shown and "over 480 tokens" in shown
     assert "check passed" in shown
-    with pytest.raises(PPTError, match="check failed: bpb .* is not below --max-bpb 0.5"):
-        check_hf_import.main([*argv, "--max-bpb", "0.5"])
+    code, _, err = run_tool("bench.check_hf_import", *argv, "--max-bpb", "0.5")
+    assert code == 2 and re.fullmatch(r"error: check failed: bpb .* is not below --max-bpb 0.5", err.splitlines()[-1])

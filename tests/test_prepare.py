@@ -14,7 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ppt.data import DataLoader, load_data_tokenizer, read_meta, read_shard
+from ppt import shards
+from ppt.data import DataLoader
+from ppt.shards import load_data_tokenizer, read_meta, read_shard
+from ppt.sources import demo_documents
 from ppt.tokenizer import train_demo_tokenizer
 from scripts import prepare_fineweb
 from scripts.prepare_fineweb import main
@@ -95,7 +98,7 @@ def test_parquet_on_two_workers_matches_jsonl_on_one(tmp_path, tokenizer_path, m
 def test_demo_corpus_is_the_stdlib_documentation_and_the_same_in_a_fresh_process():
     from pydoc_data.topics import topics
 
-    docs = prepare_fineweb.demo_documents()
+    docs = demo_documents()
     assert sum(len(d.encode()) for d in docs) > 2_000_000  # a few MB, not the 0.5 MB of the help() topics alone
     assert topics["if"] in docs and topics["if"] != docs[0]  # topics are documents whole, in a fixed mixed order
     json_doc = next(d for d in docs if d.startswith("module json\n"))
@@ -109,7 +112,7 @@ def test_demo_corpus_is_the_stdlib_documentation_and_the_same_in_a_fresh_process
     # (Fresh, because a host that patches stdlib hooks, as pytest does, changes what this process would document.)
     secret = "ppt-secret-value-that-must-not-leak"
     code = (
-        "import hashlib; from scripts.prepare_fineweb import demo_documents; docs = demo_documents(); "
+        "import hashlib; from ppt.sources import demo_documents; docs = demo_documents(); "
         f"print(hashlib.sha256(chr(0).join(docs).encode()).hexdigest(), any({secret!r} in d for d in docs))"
     )
     root = Path(__file__).resolve().parents[1]
@@ -137,7 +140,7 @@ def test_demo_end_to_end_and_rerun_is_a_no_op(demo_data_dir, capsys):
     assert info.is_demo and info.tokenizer_name == "demo-bpe-512" and info.dtype.itemsize == 2
     loader = DataLoader(demo_data_dir, "val", 2, 64, expected_fingerprint=tok.fingerprint)
     assert sum(batch[0].numel() for batch in loader.val_batches(10 * 64)) == 10 * 64
-    docs = prepare_fineweb.demo_documents()
+    docs = demo_documents()
     val_docs = meta["val"]["docs"]
     assert prepared_docs(demo_data_dir)[: val_docs + 1] == docs[: val_docs + 1]  # val: the first documents
 
@@ -350,7 +353,7 @@ def test_a_full_disk_keeps_the_finished_shards_and_the_rerun_resumes(tmp_path, t
     common = ["--source", str(corpus), *SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
     whole, full = tmp_path / "whole", tmp_path / "full"
     assert main([*common, "--out", str(whole)]) == 0
-    real = prepare_fineweb.write_shard.__globals__["atomic_file"]
+    real = shards.atomic_file
     disk = FillsUp(budget=12_000)  # shards and meta.json: the val shard, then about 2 of the 4-kB train shards
 
     @contextlib.contextmanager
@@ -359,8 +362,7 @@ def test_a_full_disk_keeps_the_finished_shards_and_the_rerun_resumes(tmp_path, t
             yield disk.wrap(f)
 
     with monkeypatch.context() as patched:
-        patched.setitem(prepare_fineweb.write_shard.__globals__, "atomic_file", filling)
-        patched.setitem(prepare_fineweb.write_meta.__globals__, "atomic_file", filling)
+        patched.setattr(shards, "atomic_file", filling)  # shards and meta.json are written through it
         assert main([*common, "--out", str(full)]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(

@@ -5,23 +5,40 @@ from torch.autograd import DeviceType
 from ppt.profiling import kernel_time_by_kind
 
 
-def event(key: str, us: float, device: DeviceType = DeviceType.CUDA, annotation: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(key=key, self_device_time_total=us, device_type=device, is_user_annotation=annotation)
+def op(name: str, parent=None, kernels=(), device: DeviceType = DeviceType.CPU) -> SimpleNamespace:
+    """A profiler event: a CPU op (or annotated range) and the kernels it launched, as (name, microseconds)."""
+    launched = [SimpleNamespace(name=kernel, duration=us) for kernel, us in kernels]
+    return SimpleNamespace(name=name, cpu_parent=parent, kernels=launched, device_type=device)
 
 
-def test_kernel_kinds_count_each_kernel_once_and_skip_annotated_ranges():
+def test_kernels_count_once_under_the_op_that_launched_them():
+    step = op("ProfilerStep#7")
+    ddp = op("DistributedDataParallel.forward", step)
+    screening = op("ppt::screening", ddp)  # a custom op: its Triton kernels have names no table knows
+    optimizer = op("Optimizer.step#HybridOptimizer.step", step)
     events = [
-        event("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", 600),
-        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 180),
-        event("triton_poi_fused_mul_silu_0", 200),
-        event("aten::mm", 600, device=DeviceType.CPU),  # the CPU op that launched the matmul
-        # device-side spans of annotated ranges, covering the kernels above
-        event("nccl:all_reduce", 180, annotation=True),
-        event("DistributedDataParallel.forward", 700, annotation=True),
-        event("ProfilerStep#7", 2000, annotation=True),
+        step,
+        ddp,
+        screening,
+        op("aten::mm", ddp, [("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", 600)]),
+        op("aten::copy_", screening, [("_forward_kernel", 400)]),  # launched by an op inside the custom op
+        op("ppt::screening_backward", step, [("_dkdv_kernel", 300), ("_dq_kernel", 100)]),
+        op("nccl:all_reduce", step, [("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 200)]),
+        op("aten::add", ddp, [("triton_poi_fused_mul_silu_0", 200)]),
+        optimizer,
+        op("aten::_foreach_mul_", optimizer, [("multi_tensor_apply_kernel", 120)]),
+        op("aten::mm", optimizer, [("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", 80)]),  # Newton-Schulz: the optimizer's
+        op("a device kernel itself", kernels=[("counted through its launch only", 999)], device=DeviceType.CUDA),
     ]
-    report = kernel_time_by_kind(SimpleNamespace(key_averages=lambda: events), steps=2, wall=0.001)
+    report = kernel_time_by_kind(SimpleNamespace(events=lambda: events), steps=2, wall=0.002)
     lines = report.splitlines()
-    assert lines[0] == "kernels 0.5 ms per iteration (49.0% of the wall time)"
-    kinds = {line[:34].strip(): float(line[34:].split()[0]) for line in lines[1:]}
-    assert kinds == {"matmul": 0.3, "communication": 0.1, "fused elementwise (inductor)": 0.1}
+    assert lines[0] == "kernels 1.0 ms per iteration (50.0% of the wall time)"
+    kinds = {kind.strip(): float(ms) for kind, ms, _, _ in (line.rsplit(None, 3) for line in lines[1:])}
+    assert kinds == {
+        "matmul": 0.3,
+        "ppt::screening (custom op)": 0.2,
+        "ppt::screening_backward (custom op)": 0.2,
+        "communication": 0.1,
+        "fused elementwise (inductor)": 0.1,
+        "optimizer": 0.1,
+    }

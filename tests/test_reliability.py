@@ -29,25 +29,20 @@ import pytest
 import torch
 
 from ppt import checkpoint as ckpt
-from ppt import common
+from ppt import locks
 from ppt.common import PPTError
-from ppt.data import read_shard, write_shard
 from ppt.model import build_model, get_config
 from ppt.report import RunReport
+from ppt.shards import read_shard, write_shard
 from scripts import base_train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY, BATCH_TOKENS = 12, 4, 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny steps gain nothing from threads, and on a shared 2-core machine spinning threads slow everyone down;
-    the SIGKILL test's child runs single-threaded too (OMP_NUM_THREADS), so it computes bit for bit the same."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One thread (conftest.py); the SIGKILL test's child runs single-threaded too (OMP_NUM_THREADS), so it computes bit
+# for bit the same.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_argv(data_dir: Path, out_dir: Path, tag: str, *extra: str) -> list[str]:
@@ -182,7 +177,7 @@ def test_a_second_run_on_the_same_directory_stops_naming_the_first_and_sigterm_r
         log.append(line)
         if line.startswith("step "):
             break
-    assert (out / common.LOCK_NAME).is_file(), "".join(log)
+    assert (out / locks.LOCK_NAME).is_file(), "".join(log)
     with pytest.raises(PPTError) as second:
         train(train_argv(demo_data_dir, out, "second"))
     assert re.search(
@@ -193,7 +188,7 @@ def test_a_second_run_on_the_same_directory_stops_naming_the_first_and_sigterm_r
     proc.wait()
     watchdog.cancel()
     assert proc.returncode == 128 + signal.SIGTERM, "".join(log)
-    assert not (out / common.LOCK_NAME).exists() and ckpt.latest_checkpoint(out) is not None
+    assert not (out / locks.LOCK_NAME).exists() and ckpt.latest_checkpoint(out) is not None
     assert not list(out.glob("second*")) and manifest(out, "first")["stopped_at"] >= 1
 
 
@@ -383,7 +378,7 @@ class NoNetworkSocket(socket.socket):  # local sockets may be made (urllib3 prob
 socket.socket = NoNetworkSocket
 socket.getaddrinfo = socket.gethostbyname = socket.create_connection = blocked
 
-import ppt, scripts
+import ppt, scripts  # bench/'s tools run below as commands (their --help), under the same blocked network
 
 # scripts.lm_eval registers a model with lm-eval when imported, which may happen once per process: imported here
 # after the cases, one of which runs it as __main__
@@ -588,8 +583,8 @@ def make_bad_inputs(work: Path, data: Path) -> None:
                     fingerprint=info.tokenizer_fingerprint, demo=True, tokenizer_name=info.tokenizer_name)  # fmt: skip
     # runs held by a live process (this one), and a checkpoint dir left empty beside a real run
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": "now",
-             "argv": ["base_train", "--tag", "busy"], "process_start": common._process_start(os.getpid())}  # fmt: skip
-    for lock_file in (work / "busy" / common.LOCK_NAME, work / "cache" / "reports" / ".busy-tag.lock"):
+             "argv": ["base_train", "--tag", "busy"], "process_start": locks._process_start(os.getpid())}  # fmt: skip
+    for lock_file in (work / "busy" / locks.LOCK_NAME, work / "cache" / "reports" / ".busy-tag.lock"):
         lock_file.parent.mkdir(parents=True)
         lock_file.write_text(json.dumps(owner))
     (work / "cache" / "checkpoints" / "leftover").mkdir(parents=True)
@@ -608,10 +603,12 @@ def make_bad_inputs(work: Path, data: Path) -> None:
 
 
 def entry_points(suffix: str) -> list[str]:
-    """What users start: every scripts/*.sh, and every scripts/*.py with a __main__ block (found, so that a new
-    script is covered without a test edit)."""
-    paths = sorted((REPO_ROOT / "scripts").glob(f"*{suffix}"))
-    return [p.name for p in paths if suffix == ".sh" or 'if __name__ == "__main__":' in p.read_text()]
+    """What users start and the measurement tools: every scripts/*.sh and bench/*.sh, and every .py there with a
+    __main__ block (found, so that a new script is covered without a test edit), as folder/name."""
+    paths = sorted(p for folder in ("scripts", "bench") for p in (REPO_ROOT / folder).glob(f"*{suffix}"))
+    return [
+        f"{p.parent.name}/{p.name}" for p in paths if suffix == ".sh" or 'if __name__ == "__main__":' in p.read_text()
+    ]
 
 
 def help_case(script: str, work: Path) -> dict:
@@ -622,8 +619,8 @@ def help_case(script: str, work: Path) -> dict:
     for place in places.values():
         place.mkdir(parents=True)
     env = {"PPT_CACHE": str(places["cache"]), "HOME": str(places["home"]), "TMPDIR": str(places["tmp"])}
-    module = f"scripts.{script.removesuffix('.py')}"
-    return {"id": f"help-{script}", "module": module, "args": ["--help"], "env": env, "cwd": str(places["cwd"])}
+    module = script.removesuffix(".py").replace("/", ".")
+    return {"id": f"help-{module}", "module": module, "args": ["--help"], "env": env, "cwd": str(places["cwd"])}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -684,7 +681,7 @@ def test_bad_input_prints_one_error_line_and_exits_2(script, args, env, message,
 
 @pytest.mark.parametrize("script", entry_points(".py"))
 def test_every_python_entry_point_answers_help_and_does_nothing_else(script, driver):
-    result = driver()["cases"][f"help-{script}"]
+    result = driver()["cases"][f"help-{script.removesuffix('.py').replace('/', '.')}"]
     assert result["rc"] == 0, result["stderr"]
     assert "usage:" in result["stdout"], result["stdout"]
     assert result["new_files"] == []  # nothing in its cache, home, temp or working directory
@@ -704,7 +701,7 @@ def test_every_shell_entry_point_answers_help_and_does_nothing_else(script, tmp_
         place.mkdir()
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "PPT_CACHE": str(places["cache"]), "HOME": str(places["home"])}
     out = subprocess.run(
-        ["bash", str(REPO_ROOT / "scripts" / script), "--help"],
+        ["bash", str(REPO_ROOT / script), "--help"],
         env={**env, "TMPDIR": str(places["tmp"])},
         capture_output=True,
         text=True,

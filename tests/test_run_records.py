@@ -15,17 +15,11 @@ import torch
 
 from ppt import checkpoint as ckpt
 from ppt.common import PPTError
+from ppt.comparison_flops import ComparisonFlops
 from ppt.data import DataLoader
-from ppt.flops import ComparisonFlops
 from scripts import base_eval, base_train
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def train(argv: list[str]) -> None:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,21 +343,20 @@ def test_cuda_kernels_agree_across_block_configs(plan):
 # Tools around the kernels
 
 
-def test_kernel_stats_compiles_for_sm90_without_a_gpu(capsys):
-    """scripts.kernel_stats compiles a kernel ahead of time for an H100/H200 and reads its registers and loop."""
-    pytest.importorskip("triton")
-    from scripts.kernel_stats import CUOBJDUMP, main
-
-    if not CUOBJDUMP.is_file():
+def test_kernel_stats_compiles_for_sm90_without_a_gpu(run_tool):
+    """bench.kernel_stats compiles a kernel ahead of time for an H100/H200 and reads its registers and loop."""
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").is_file():
         pytest.skip("this Triton ships no cuobjdump")
-    main(["--kernels", "forward", "--blocks", "16,16,1,2"])
-    row = capsys.readouterr().out.strip().splitlines()[-1]
+    code, out, err = run_tool("bench.kernel_stats", "--kernels", "forward", "--blocks", "16,16,1,2")
+    assert code == 0, err
+    row = out.strip().splitlines()[-1]
     kind, regs, loop = row.split()[0], int(row.split()[5]), int(row.split()[10])
     assert kind == "forward" and 0 < regs <= 255 and loop > 0
     assert "HMMA" in row  # the loop's dots run on tensor cores
 
 
-E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bench_multiscreen_e2e.sh")
+E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "bench_multiscreen_e2e.sh")
 
 
 def test_bench_multiscreen_e2e_answers_help():

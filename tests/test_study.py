@@ -42,7 +42,9 @@ def write_grid(tmp_path: Path, data: Path, text: str = GRID) -> Path:
 def finished_study(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     tmp = tmp_path_factory.mktemp("study")
     grid, out = write_grid(tmp, demo_data_dir), tmp / "out"
-    assert study.main([str(grid), "--out", str(out), "--jobs", "2"]) == 0
+    with pytest.MonkeyPatch.context() as mp:  # the runs' reports: the function-scoped private cache is not set up yet
+        mp.setenv("PPT_CACHE", str(tmp / "cache"))
+        assert study.main([str(grid), "--out", str(out), "--jobs", "2"]) == 0
     return grid, out, (out / "results.md").read_text()
 
 

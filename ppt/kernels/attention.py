@@ -29,7 +29,7 @@ def document_mask(doc_pos: Tensor | None, flex: bool | None = None) -> Tensor | 
     `flex=None` picks FlexAttention for forwards with autograd on CUDA under torch.compile (eager FlexAttention is
     slow) and the dense mask elsewhere. Forwards without autograd take the dense mask too: FlexAttention's
     inference-only kernels, compiled inside the whole model, hit an illegal memory access on an H200 under torch
-    2.11 (SmolLM-360M, 16 x 2048 rows). `evaluate_bpb` therefore scores with autograd on."""
+    2.11 (SmolLM-360M, 16 x 2048 rows). Scoring forwards therefore run with autograd on (`scores_with_autograd`)."""
     if doc_pos is None:
         return None
     if flex is None:
@@ -47,6 +47,13 @@ def document_mask(doc_pos: Tensor | None, flex: bool | None = None) -> Tensor | 
     doc_start = keys - doc_pos.long()
     mask = (keys.view(1, 1, T) <= keys.view(1, T, 1)) & (keys.view(1, 1, T) >= doc_start.unsqueeze(-1))
     return mask.unsqueeze(1)
+
+
+def scores_with_autograd(compiled: bool, device: torch.device) -> bool:
+    """Whether a forward that only scores (evaluation: the result is detached) should run with autograd on: for a
+    compiled model on CUDA, whose document masks then take FlexAttention's training kernels, 1.3x faster than the
+    dense mask a no-grad forward takes (`document_mask`), and clear of the inference kernels' crash. Elsewhere no."""
+    return compiled and device.type == "cuda"
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None) -> Tensor:

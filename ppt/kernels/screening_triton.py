@@ -36,7 +36,7 @@ Blocks = tuple[int, ...]
 Plan = tuple[tuple[int | None, Blocks], ...]  # ((largest span of the class, None for no limit), blocks) by span
 
 # The blocks an H200 sweep found fastest for one class at the model's shape (dK 16, dV 64, windows 2..257), measured
-# on the kernels before window classes (c4ba8bb); `scripts/bench_screening.py --sweep` prints the fastest plans now.
+# on the kernels before window classes (c4ba8bb); `bench/bench_screening.py --sweep` prints the fastest plans now.
 FORWARD_PLAN: Plan = ((None, (32, 16, 2, 3)),)
 DQ_PLAN: Plan = ((None, (32, 16, 2, 2)),)
 DKDV_PLAN: Plan = ((None, (16, 32, 1, 1)),)

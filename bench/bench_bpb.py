@@ -1,6 +1,6 @@
 """Validation bits-per-byte throughput: `evaluate_bpb` over a token budget, the code base_eval and base_train run.
 
-    python -m scripts.bench_bpb --config smollm-360m --eval-tokens 10485760 --batch-size 16,32 --compile on,off
+    python -m bench.bench_bpb --config smollm-360m --eval-tokens 10485760 --batch-size 16,32 --compile on,off
 
 Randomly initialised weights (the time does not depend on them) and synthetic val shards (uniform random tokens,
 documents of exponentially distributed length), so nothing is downloaded. Each variant first scores one batch to
@@ -20,13 +20,13 @@ import torch
 from ppt.common import ArgumentParser, init_runtime, maybe_compile, positive_int, run_cli, token_count
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
-from ppt.model import build_model, get_config
-from scripts.bench_train import synthetic_tokenizer, write_synthetic_data
+from ppt.model import DEFAULT_CONFIG, build_model, get_config
+from ppt.synthetic import synthetic_tokenizer, write_synthetic_data
 
 
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="smollm-360m")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"a config of ppt/model.py (default {DEFAULT_CONFIG})")
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--batch-size", default="16", help="comma list of rows per forward")
     p.add_argument("--eval-tokens", type=token_count, default=DEFAULT_EVAL_TOKENS)

@@ -1,8 +1,8 @@
 """The vanilla decoder's attention at a config's shapes: forward and forward+backward time of each path.
 
-    python -m scripts.bench_attention --config smollm-360m --batch-size 16
-    python -m scripts.bench_attention --flex-options '{"BLOCK_M": 128, "BLOCK_N": 64}' '{"num_warps": 8}'
-    python -m scripts.bench_attention --autotune    # and the tiles Inductor's max-autotune picks (it logs them)
+    python -m bench.bench_attention --config smollm-360m --batch-size 16
+    python -m bench.bench_attention --flex-options '{"BLOCK_M": 128, "BLOCK_N": 64}' '{"num_warps": 8}'
+    python -m bench.bench_attention --autotune    # and the tiles Inductor's max-autotune picks (it logs them)
 
 Paths: FlexAttention with document masks, compiled as the model compiles it (the block mask built inside the
 graph), with its default kernel options and then with each --flex-options set; and SDPA on plain causal rows

@@ -1,7 +1,7 @@
 """Benchmark the screening kernels on a CUDA GPU, side by side with the seed's kernel, in one command.
 
-    python -m scripts.bench_screening                      # ours and the seed's: fwd, fwd+bwd, two packings
-    python -m scripts.bench_screening --sweep --profile --optimizer --baseline .ref/screening_triton_c4ba8bb.py
+    python -m bench.bench_screening                      # ours and the seed's: fwd, fwd+bwd, two packings
+    python -m bench.bench_screening --sweep --profile --optimizer --baseline .ref/screening_triton_c4ba8bb.py
 
 Shapes default to the seed's benchmark: 65,536 tokens (16 rows of 4096 here), 16 heads, dK 16, dV 64, windows
 exp(linspace(0, ln 256, H)) + 1 (the model's initial windows), rho 2 (r = 0.5), bf16 unit-norm q/k/v. Two packings:

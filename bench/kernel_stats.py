@@ -1,8 +1,8 @@
 """What the screening kernels compile to, without a GPU: registers, stack, shared memory and SASS instructions.
 
-    python -m scripts.kernel_stats                                  # the shipped plans' blocks, sm_90 (H100/H200)
-    python -m scripts.kernel_stats --blocks 16,16,1,2 32,16,2,3,96  # BLOCK_M,BLOCK_N,warps,stages[,register cap]
-    python -m scripts.kernel_stats --kernel-file .ref/screening_triton_OLD.py   # a kernel file of another commit
+    python -m bench.kernel_stats                                  # the shipped plans' blocks, sm_90 (H100/H200)
+    python -m bench.kernel_stats --blocks 16,16,1,2 32,16,2,3,96  # BLOCK_M,BLOCK_N,warps,stages[,register cap]
+    python -m bench.kernel_stats --kernel-file .ref/screening_triton_OLD.py   # a kernel file of another commit
 
 Each kernel is compiled ahead of time for the target with Triton's own compiler and ptxas, with the specialization a
 launch at the benchmark shape gets (16-byte aligned pointers, sizes and strides divisible by 16), and disassembled

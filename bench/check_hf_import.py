@@ -1,7 +1,7 @@
 """Check the Hugging Face import on a real checkpoint: the ppt model built from the folder gives transformers' logits
 in fp32, and scores real English text as a trained model does (bits per byte well below 2).
 
-    python -m scripts.check_hf_import --hf-dir PATH          # e.g. SmolLM2-135M (docs/benchmarks.md has a run)
+    python -m bench.check_hf_import --hf-dir PATH          # e.g. SmolLM2-135M (docs/benchmarks.md has a run)
 
 The text is the documentation of the Python standard library's help() topics (`pydoc_data.topics`: English technical
 prose that ships with every Python), tokenized with the folder's tokenizer, each topic a document after an EOT, as
@@ -24,11 +24,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+import ppt.model
 from ppt.common import ArgumentParser, PPTError, positive_float, positive_int, run_cli, token_count
-from ppt.data import DataLoader, shard_path, write_shard
+from ppt.data import DataLoader
 from ppt.loss_eval import evaluate_bpb
+from ppt.model_io import ModelFile, load_run, load_tokenizer_for
+from ppt.shards import shard_path, write_shard
 from ppt.tokenizer import Tokenizer
-from scripts.model_io import build_from_checkpoint, load_run, load_tokenizer_for
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,8 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         raise PPTError("transformers is not installed: uv sync --extra eval") from exc
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on a GPU too
     device = torch.device(args.device)
-    run = load_run(hf_dir=args.hf_dir)
-    model = build_from_checkpoint(run, device)
+    model_file = ModelFile.of(ppt.model)
+    run = load_run(hf_dir=args.hf_dir, model_file=model_file)
+    model = model_file.build_from_checkpoint(run, device)
     tokenizer, _ = load_tokenizer_for(run)
     reference = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).to(device).eval()
     print(f"{args.hf_dir}: {run.config}; torch {torch.__version__}, {device}, fp32")

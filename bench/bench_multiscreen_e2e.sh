@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # End-to-end Multiscreen training throughput: ppt against the public seed training script, same GPU, the same
-# 262,144-token steps of 4096-token rows, synthetic data for both (ppt: scripts.bench_train's shards; the seed: its
+# 262,144-token steps of 4096-token rows, synthetic data for both (ppt: bench.bench_train's shards; the seed: its
 # own gen_bin_data.py). The seed script is not part of ppt: --ref names the folder that holds its
 # multiscreen_gist.py, gen_bin_data.py and wandb_stub/ (default .ref/ of the checkout).
 usage() {
     cat <<'EOF'
-usage: bash scripts/bench_multiscreen_e2e.sh PSI [SEED_ACCUM] [both|ppt|seed] [--ref DIR] [--steps N]
+usage: bash bench/bench_multiscreen_e2e.sh PSI [SEED_ACCUM] [both|ppt|seed] [--ref DIR] [--steps N]
 
   PSI         Multiscreen size: 16, 24 or 32 (ppt's multiscreen-dPSI, the seed's DEPTH=PSI)
   SEED_ACCUM  the seed's GRAD_ACCUM_STEPS (default 1: one micro-batch of 262,144 tokens; Psi 24 needs 4 on an H200)
@@ -13,9 +13,9 @@ usage: bash scripts/bench_multiscreen_e2e.sh PSI [SEED_ACCUM] [both|ppt|seed] [-
   --ref DIR   the seed's folder (default .ref/ of the checkout)
   --steps N   optimizer steps per side (default 12; the first 5 are warm-up and not measured)
 
-  bash scripts/bench_multiscreen_e2e.sh 16          # ppt, then the seed script, on one GPU
-  bash scripts/bench_multiscreen_e2e.sh 24 4        # the seed with GRAD_ACCUM_STEPS=4
-  bash scripts/bench_multiscreen_e2e.sh 24 4 seed --ref /path/to/seed
+  bash bench/bench_multiscreen_e2e.sh 16          # ppt, then the seed script, on one GPU
+  bash bench/bench_multiscreen_e2e.sh 24 4        # the seed with GRAD_ACCUM_STEPS=4
+  bash bench/bench_multiscreen_e2e.sh 24 4 seed --ref /path/to/seed
 EOF
 }
 set -euo pipefail
@@ -57,7 +57,7 @@ mkdir -p "$out"
 
 if [ "$which" != seed ]; then
     echo "== ppt multiscreen-d${psi} =="
-    python3 -m scripts.bench_train --config "multiscreen-d${psi}" --seq-len 4096 --device-batch-size 32 \
+    python3 -m bench.bench_train --config "multiscreen-d${psi}" --seq-len 4096 --device-batch-size 32 \
         --total-batch-tokens 262144 --optimizer aurora --steps "$steps" --out "$out/ppt.json" 2>&1 | tail -4 || true
 fi
 [ "$which" != ppt ] || exit 0

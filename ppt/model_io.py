@@ -1,12 +1,15 @@
 """Find a run's checkpoint, rebuild its model from ppt/model.py, and load the tokenizer it was trained with.
 
-Shared by base_eval, lm_eval and export_hf. A checkpoint stores `config = {"class": <config class>, **fields}`;
-the class must still exist in ppt/model.py and the weights must fit the model it builds, else the checkpoint is
-of another architecture and loading stops with a message saying so.
+Shared by base_eval, lm_eval, export_hf and bench.check_hf_import. Fixed code never imports ppt/model.py: the entry
+point hands over what the loader needs from it as a `ModelFile` (`ModelFile.of(ppt.model)`): CONFIGS, build_model
+and the optional config_from_hf. A checkpoint stores `config = {"class": <config class>, **fields}`; the class must
+be the class of some config in CONFIGS and the weights must fit the model it builds, else the checkpoint is of
+another architecture and loading stops with a message saying so.
 
 A Hugging Face model folder (config.json + safetensors, what `save_pretrained` writes) loads as a run too
-(`load_run(hf_dir=...)`): ppt/model.py's `config_from_hf` turns its config.json into a ppt config and the model's
-`hf_mapping()` names each weight, so a public checkpoint is scored by the same model code and evaluation as a run.
+(`load_run(hf_dir=..., model_file=...)`): the model file's `config_from_hf` turns its config.json into a ppt config
+and the model's `hf_mapping()` names each weight, so a public checkpoint is scored by the same model code and
+evaluation as a run.
 """
 
 from __future__ import annotations
@@ -14,19 +17,71 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from ppt import checkpoint as ckpt
-from ppt import model as model_file  # the contract's optional parts (config_from_hf) are looked up on it
-from ppt.common import PPTError, cache_dir
-from ppt.data import default_data_dir, load_data_tokenizer
-from ppt.model import CONFIGS, build_model
+from ppt.common import PPTError, cache_dir, few
+from ppt.shards import default_data_dir, load_data_tokenizer
 from ppt.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """What the loader uses of ppt/model.py (SPEC.md, the model contract), handed over by an entry point."""
+
+    configs: Mapping[str, Any]  # CONFIGS: a checkpoint's config class must be the class of one of them
+    build_model: Callable[[Any], nn.Module]
+    config_from_hf: Callable[[dict[str, Any]], Any] | None = None  # optional: Hugging Face import
+
+    @classmethod
+    def of(cls, module: ModuleType) -> ModelFile:
+        """The model file's parts, read from the module: `ModelFile.of(ppt.model)`."""
+        return cls(module.CONFIGS, module.build_model, getattr(module, "config_from_hf", None))
+
+    def config_from_dict(self, saved: dict[str, Any]) -> Any:
+        """The config dataclass a checkpoint names, rebuilt with its saved fields."""
+        classes = {type(config).__name__: type(config) for config in self.configs.values()}
+        name = saved.get("class")
+        if name not in classes:
+            raise PPTError(
+                f"the checkpoint's architecture config {name!r} is not in ppt/model.py (it defines "
+                f"{', '.join(sorted(classes))}); evaluate it with the model.py it was trained with"
+            )
+        fields = {f.name for f in dataclasses.fields(classes[name])}
+        extra = sorted(set(saved) - fields - {"class"})
+        if extra:
+            raise PPTError(
+                f"the checkpoint's {name} has fields {', '.join(extra)} that ppt/model.py's {name} lacks; "
+                "evaluate it with the model.py it was trained with"
+            )
+        return classes[name](**{k: v for k, v in saved.items() if k != "class"})
+
+    def build_on_meta(self, config: Any) -> nn.Module:
+        """The model ppt/model.py builds for a config, on the meta device: shapes and names, no memory."""
+        with torch.device("meta"):
+            return self.build_model(config)
+
+    def build_from_checkpoint(self, run: LoadedRun, device: torch.device | str = "cpu") -> nn.Module:
+        """Build on meta, materialize on `device`, init (non-persistent buffers), then load the checkpoint's weights."""
+        model = self.build_on_meta(self.config_from_dict(run.config))
+        model.to_empty(device=device)
+        model.init_weights()
+        try:
+            model.load_state_dict(run.state["model"])
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0:3]
+            raise PPTError(
+                f"checkpoint {run.path} does not fit the {type(model).__name__} that ppt/model.py builds for its "
+                f"config ({' '.join(first)[:300]}); it is of another architecture: use the model.py it was trained with"
+            ) from exc
+        return model.eval()
 
 
 @dataclass
@@ -83,60 +138,25 @@ def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | No
 
 
 def load_run(
-    model_tag: str | None = None, checkpoint: str | Path | None = None, hf_dir: str | Path | None = None
+    model_tag: str | None = None,
+    checkpoint: str | Path | None = None,
+    hf_dir: str | Path | None = None,
+    model_file: ModelFile | None = None,
 ) -> LoadedRun:
-    """A ppt checkpoint (`checkpoint`, else the latest of `model_tag`), or a Hugging Face folder (`hf_dir`)."""
+    """A ppt checkpoint (`checkpoint`, else the latest of `model_tag`), or a Hugging Face folder (`hf_dir`, which
+    `model_file` imports)."""
     if hf_dir:
         if model_tag or checkpoint:
             raise PPTError("a Hugging Face folder names the model on its own: drop --model-tag / --checkpoint")
-        return load_hf_folder(hf_dir)
+        if model_file is None:
+            raise ValueError("load_run(hf_dir=...) needs the model_file that imports the folder")
+        return load_hf_folder(hf_dir, model_file)
     path, tag = resolve_checkpoint(model_tag, checkpoint)
     state = ckpt.load_checkpoint(path, map_location="cpu")
     missing = [key for key in ("model", "config") if key not in state]
     if missing:
         raise PPTError(f"{path} is not a ppt training checkpoint (it lacks {', '.join(missing)})")
     return LoadedRun(path, tag, state)
-
-
-def config_from_dict(saved: dict[str, Any]) -> Any:
-    """The config dataclass a checkpoint names, rebuilt with its saved fields."""
-    classes = {type(config).__name__: type(config) for config in CONFIGS.values()}
-    name = saved.get("class")
-    if name not in classes:
-        raise PPTError(
-            f"the checkpoint's architecture config {name!r} is not in ppt/model.py (it defines "
-            f"{', '.join(sorted(classes))}); evaluate it with the model.py it was trained with"
-        )
-    fields = {f.name for f in dataclasses.fields(classes[name])}
-    extra = sorted(set(saved) - fields - {"class"})
-    if extra:
-        raise PPTError(
-            f"the checkpoint's {name} has fields {', '.join(extra)} that ppt/model.py's {name} lacks; "
-            "evaluate it with the model.py it was trained with"
-        )
-    return classes[name](**{k: v for k, v in saved.items() if k != "class"})
-
-
-def build_on_meta(config: Any) -> nn.Module:
-    """The model ppt/model.py builds for a config, on the meta device: shapes and names, no memory."""
-    with torch.device("meta"):
-        return build_model(config)
-
-
-def build_from_checkpoint(run: LoadedRun, device: torch.device | str = "cpu") -> nn.Module:
-    """Build on meta, materialize on `device`, init (non-persistent buffers), then load the checkpoint's weights."""
-    model = build_on_meta(config_from_dict(run.config))
-    model.to_empty(device=device)
-    model.init_weights()
-    try:
-        model.load_state_dict(run.state["model"])
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0:3]
-        raise PPTError(
-            f"checkpoint {run.path} does not fit the {type(model).__name__} that ppt/model.py builds for its config "
-            f"({' '.join(first)[:300]}); it is of another architecture: use the model.py it was trained with"
-        ) from exc
-    return model.eval()
 
 
 def load_tokenizer_for(run: LoadedRun, data_dir: str | Path | None = None) -> tuple[Tokenizer, Path]:
@@ -240,12 +260,7 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def few(names: list[str]) -> str:
-    """The first three names, and how many more."""
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def load_hf_folder(hf_dir: str | Path) -> LoadedRun:
+def load_hf_folder(hf_dir: str | Path, model_file: ModelFile) -> LoadedRun:
     """A Hugging Face model folder as a run: config.json through ppt/model.py's `config_from_hf`, the weights
     renamed by the model's `hf_mapping()` and kept in their stored dtype (loading into the model casts them)."""
     directory = Path(hf_dir).expanduser()
@@ -258,10 +273,10 @@ def load_hf_folder(hf_dir: str | Path) -> LoadedRun:
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
         raise PPTError(f"{config_path} is not valid JSON ({exc}); the folder is incomplete or corrupt") from exc
-    if not hasattr(model_file, "config_from_hf"):
+    if model_file.config_from_hf is None:
         raise PPTError("ppt/model.py has no config_from_hf(): it imports no Hugging Face models")
     config = model_file.config_from_hf(hf_config)
-    model = build_on_meta(config)
+    model = model_file.build_on_meta(config)
     _, names = hf_mapping(model)
     tensors = read_safetensors(directory)
     missing = [theirs for theirs in names.values() if theirs not in tensors]

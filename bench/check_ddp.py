@@ -1,7 +1,7 @@
 """Multi-GPU check: N ranks under torchrun against one process with the same global batch, and a resume on N ranks.
 
-    python -m scripts.check_ddp --config smollm-135m --nproc 2 --steps 20
-    python -m scripts.check_ddp --config multiscreen-d16 --seq-len 4096 --optimizer aurora --nproc 2
+    python -m bench.check_ddp --config smollm-135m --nproc 2 --steps 20
+    python -m bench.check_ddp --config multiscreen-d16 --seq-len 4096 --optimizer aurora --nproc 2
 
 Four runs of `scripts.base_train` on synthetic shards (learnable phrases by default): one process with gradient
 accumulation over N micro-batches; N ranks with one micro-batch each (the same rows per optimizer step); N ranks
@@ -20,8 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.bench_train import launcher
 from ppt.common import ArgumentParser, Number, PPTError, nonneg_float, nonneg_int, positive_float, positive_int, run_cli
-from scripts.bench_train import launcher, write_synthetic_data
+from ppt.synthetic import write_synthetic_data
 
 
 def run(cmd: list[str], env: dict[str, str]) -> None:

@@ -1,0 +1,366 @@
+"""Where prepare's documents come from: FineWeb-Edu-Dedup streamed from the hub, the offline demo corpus (the
+documentation the running Python's standard library ships), or local files (`.txt` one document per file, `.jsonl`
+one per line's `text` field, `.parquet` one per row of its `text` column); and a local corpus's size, measured before
+anything is tokenized. Every source yields the documents as strings, in a fixed order."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib
+import inspect
+import io
+import json
+import os
+import pkgutil
+import random
+import sys
+import types
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+from ppt.common import PPTError, format_sizes
+from ppt.tokenizer import Tokenizer
+
+FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+SAMPLE_BYTES = 1_000_000  # text tokenized up front to measure bytes per token
+SHUFFLE_MAX_BYTES = 4_000_000_000  # --shuffle-seed holds the corpus in memory
+
+# ---- documents ---------------------------------------------------------------------------------------------------
+
+
+def resolve_local_files(patterns: list[str]) -> list[Path]:
+    """Expand paths, folders and globs in argument order (each glob and folder sorted); every pattern must give a
+    supported file. A folder gives every .txt/.jsonl/.parquet file under it (hidden ones aside)."""
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
+        matches = [os.path.expanduser(match) for match in matches]
+        if not matches or not Path(matches[0]).exists():
+            raise PPTError(f"--source {pattern!r} matches no file; pass fineweb, demo, or existing local files")
+        for match in matches:
+            path = Path(match).resolve()
+            if path.is_dir():
+                found = _folder_files(path)
+                if not found:
+                    raise PPTError(f"{path} holds no {', '.join(LOCAL_SUFFIXES)} files; pass a folder with some")
+                files += found
+                continue
+            if path.suffix not in LOCAL_SUFFIXES:
+                raise PPTError(f"{path}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)} files")
+            files.append(path)
+    return files
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """The supported files under a folder, sorted by path; says which other files it leaves out."""
+    hidden = lambda path: any(part.startswith(".") for part in path.relative_to(folder).parts)  # noqa: E731
+    visible = [path for path in sorted(folder.rglob("*")) if path.is_file() and not hidden(path)]
+    others = [p for p in visible if p.suffix not in LOCAL_SUFFIXES]
+    if others:
+        kinds = ", ".join(sorted({p.suffix or "(no suffix)" for p in others}))
+        print(f"note: {folder}: left out {len(others)} files that are not {', '.join(LOCAL_SUFFIXES)} ({kinds})")
+    return [p for p in visible if p.suffix in LOCAL_SUFFIXES]
+
+
+# Modules never imported for the demo corpus: they act on import (open a browser, print, start a GUI, read config
+# files, set up the terminal), are deprecated shims whose content depends on what else is installed, or are tests.
+DEMO_SKIP_MODULES = {"antigravity", "this", "idlelib", "turtle", "turtledemo", "readline", "lib2to3", "distutils"}
+
+DEMO_SKIP_MODULES |= {"pydoc_data"}  # its topics are taken whole, not as a module
+
+DEMO_SKIP_PARTS = {"test", "tests", "idle_test"}
+MIN_DEMO_TEXT = 20  # characters: shorter docstrings and comments ("Return self==value.") carry little text
+
+
+def demo_documents() -> list[str]:
+    """The offline demo corpus: the documentation Python's standard library ships, about 3 MB (0.85M tokens at
+    vocab 4096 on CPython 3.11), built in about a second.
+
+    The `help()` topics of `pydoc_data.topics` (one document per topic), and one document per public stdlib module
+    that imports here: the docstrings of the module and of its public classes, functions and methods, each under a
+    heading with its name and parameter names, then the module source's comments. Every text appears once. The
+    documents come in a fixed shuffled order, so the val split (the first documents) mixes both kinds. The same on
+    every run with one Python build; built once per process (tokenizer training reads it, then the encoder).
+    """
+    return list(_demo_corpus())
+
+
+@functools.cache
+def _demo_corpus() -> tuple[str, ...]:
+    from pydoc_data.topics import topics  # the stdlib's help() text: always present, no network
+
+    seen: set[str] = set()  # every text once: shared and inherited docstrings repeat across modules
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated modules and attributes warn when imported or read
+        modules = [_module_document(name, seen) for name in _stdlib_module_names()]
+    documents = [*dict.fromkeys(topics[key] for key in sorted(topics)), *(doc for doc in modules if doc)]
+    random.Random(0).shuffle(documents)  # a fixed mix, so the val split (the first documents) has both kinds
+    return tuple(documents)
+
+
+def _quiet_import(name: str) -> types.ModuleType | None:
+    """Import a stdlib module for its docstrings; None when it is missing on this platform or fails to import."""
+    try:
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            return importlib.import_module(name)
+    except Exception:  # absent C extensions, other platforms' modules: skipped, the corpus is what imports here
+        return None
+
+
+def _stdlib_module_names() -> list[str]:
+    """Public stdlib modules and their public submodules that import here, sorted by name."""
+
+    def public(name: str) -> bool:
+        return not any(part.startswith("_") or part in DEMO_SKIP_PARTS for part in name.split("."))
+
+    found = []
+    pending = sorted(name for name in sys.stdlib_module_names if public(name) and name not in DEMO_SKIP_MODULES)
+    while pending:
+        name = pending.pop()
+        module = _quiet_import(name)
+        if module is None:
+            continue
+        found.append(name)
+        submodules = pkgutil.iter_modules(getattr(module, "__path__", []), prefix=f"{name}.")
+        pending += [info.name for info in submodules if public(info.name)]
+    return sorted(found)
+
+
+def _module_document(name: str, seen: set[str]) -> str:
+    """A module's docstrings, each under a `class`/`def` heading with parameter names, then its source comments."""
+    module = sys.modules[name]
+    parts = []
+
+    def add(heading: str, text: object) -> None:
+        if isinstance(text, str) and len(text := inspect.cleandoc(text).strip()) >= MIN_DEMO_TEXT and text not in seen:
+            seen.add(text)
+            parts.append(f"{heading}\n{text}")
+
+    add(f"module {name}", module.__doc__)
+    for attr, obj in sorted(vars(module).items()):
+        if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
+            continue
+        add(f"{'class' if inspect.isclass(obj) else 'def'} {name}.{attr}{_parameters(obj)}", obj.__doc__)
+        if inspect.isclass(obj):
+            for member_name, member in sorted(vars(obj).items()):
+                is_documented_member = inspect.isroutine(member) or inspect.isdatadescriptor(member)
+                if is_documented_member and (member_name == "__init__" or not member_name.startswith("_")):
+                    add(f"def {attr}.{member_name}{_parameters(member)}", member.__doc__)
+    comments = _source_comments(getattr(module, "__file__", None), seen)
+    if comments:
+        parts.append("comments in the source of " + name + "\n" + "\n\n".join(comments))
+    return "\n\n".join(parts)
+
+
+def _parameters(obj: object) -> str:
+    """`(a, b, *args)`: parameter names only. Default values are left out: their reprs can hold anything, even the
+    process environment (a default of `os.environ`), which has no place in a corpus."""
+    try:
+        signature = inspect.signature(obj)
+    except Exception:  # builtins without a text signature, descriptors: no parameter list
+        return ""
+    bare = [p.replace(default=p.empty, annotation=p.empty) for p in signature.parameters.values()]
+    return str(signature.replace(parameters=bare, return_annotation=signature.empty))
+
+
+def _source_comments(path: str | None, seen: set[str]) -> list[str]:
+    """Paragraphs of consecutive full-line `#` comments in a module's Python source."""
+    if not path or not path.endswith(".py"):
+        return []
+    paragraphs, block = [], []
+    for line in [*Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), ""]:
+        stripped = line.strip()
+        if stripped.startswith("#") and not stripped.startswith("#!"):
+            block.append(stripped.lstrip("#").strip())
+            continue
+        text = "\n".join(block).strip()
+        block = []
+        if len(text) >= MIN_DEMO_TEXT and text not in seen:
+            seen.add(text)
+            paragraphs.append(text)
+    return paragraphs
+
+
+def _utf8_error(path: Path, byte_offset: int) -> PPTError:
+    return PPTError(
+        f"{path} is not valid UTF-8 (byte offset {byte_offset}); re-encode it to UTF-8, "
+        f"e.g. `iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`"
+    )
+
+
+def _txt_documents(path: Path) -> Iterator[str]:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _utf8_error(path, exc.start) from exc
+    yield text
+
+
+def _jsonl_documents(path: Path) -> Iterator[str]:
+    offset = 0
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _utf8_error(path, offset + exc.start) from exc
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PPTError(f"{path}:{line_number} is not valid JSON ({exc.msg}); fix or remove that line") from exc
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise PPTError(f'{path}:{line_number} has no string `text` field; each line must be {{"text": ...}}')
+            yield record["text"]
+
+
+def _parquet_documents(path: Path) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    if "text" not in parquet.schema_arrow.names:
+        raise PPTError(f"{path} has no `text` column (columns: {', '.join(parquet.schema_arrow.names)})")
+    for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            yield text or ""
+
+
+def local_documents(files: list[Path]) -> Iterator[str]:
+    readers = {".txt": _txt_documents, ".jsonl": _jsonl_documents, ".parquet": _parquet_documents}
+    for path in files:
+        yield from readers[path.suffix](path)
+
+
+def open_fineweb(skip: int) -> Iterator[str]:
+    """Stream FineWeb-Edu-Dedup from the hub; with HF_HUB_OFFLINE set, read a dataset already in the HF cache.
+
+    Opens the dataset now, so an unreachable hub fails before anything is written.
+    """
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    how_to_work_offline = (
+        "to work offline use `--source demo`, or local .txt/.jsonl/.parquet files, or set HF_HUB_OFFLINE=1 "
+        "with the dataset already in the Hugging Face cache"
+    )
+    try:
+        import datasets  # lazy: importing this script never touches the network
+
+        dataset = datasets.load_dataset(FINEWEB_REPO, FINEWEB_CONFIG, split="train", streaming=not offline)
+    except Exception as exc:  # connection, auth, missing cache: all mean "cannot get the data"
+        raise PPTError(f"cannot open {FINEWEB_REPO} ({FINEWEB_CONFIG}): {exc}; {how_to_work_offline}") from exc
+    if skip:
+        dataset = dataset.skip(skip)
+
+    def texts() -> Iterator[str]:
+        examples = iter(dataset)
+        while True:
+            try:
+                example = next(examples)
+            except StopIteration:
+                return
+            except Exception as exc:
+                raise PPTError(
+                    f"lost {FINEWEB_REPO} while streaming ({exc}); re-run the same command to resume"
+                ) from exc
+            yield example["text"]
+
+    return texts()
+
+
+# ---- the corpus: size and order ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CorpusSize:
+    """A local corpus measured before it is tokenized."""
+
+    files: int
+    text_bytes: int
+    exact: bool  # False: from file sizes and parquet metadata
+    bytes_per_token: float  # measured on the first SAMPLE_BYTES of text
+
+    @property
+    def tokens(self) -> int:
+        return int(self.text_bytes / self.bytes_per_token)
+
+    def describe(self) -> str:
+        about = "" if self.exact else "about "
+        files = f"{self.files} file{'s' * (self.files != 1)}"
+        return (
+            f"{files}, {about}{format_sizes(self.text_bytes)[0]} of text, about {self.tokens:,} tokens "
+            f"({self.bytes_per_token:.2f} bytes per token on its first {format_sizes(SAMPLE_BYTES)[0]})"
+        )
+
+
+def estimate_text_bytes(files: list[Path]) -> int:
+    """Bytes of document text in local files, without reading them whole: a .txt file's size, a .parquet file's
+    uncompressed `text` column, a .jsonl file's size times the text's share of the first megabyte of the first one."""
+    total, jsonl_share = 0.0, None
+    for path in files:
+        if path.suffix == ".txt":
+            total += path.stat().st_size
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            metadata = pq.ParquetFile(path).metadata
+            columns = [metadata.schema.column(i).path for i in range(metadata.num_columns)]
+            if "text" in columns:
+                column = columns.index("text")
+                groups = range(metadata.num_row_groups)
+                total += sum(metadata.row_group(g).column(column).total_uncompressed_size for g in groups)
+        else:
+            jsonl_share = _jsonl_text_share(path) if jsonl_share is None else jsonl_share
+            total += path.stat().st_size * jsonl_share
+    return int(total)
+
+
+def _jsonl_text_share(path: Path) -> float:
+    raw = text = 0
+    with open(path, "rb") as f:
+        for line in f:
+            raw += len(line)
+            try:
+                text += len(json.loads(line)["text"].encode("utf-8"))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                pass  # the tokenizing pass names bad lines
+            if raw >= SAMPLE_BYTES:
+                break
+    return text / raw if raw else 1.0
+
+
+def bytes_per_token(tokenizer: Tokenizer, documents: Iterable[str]) -> float:
+    """Text bytes per token (EOT included) over the first SAMPLE_BYTES of the documents."""
+    sample, size = [], 0
+    for text in documents:
+        if text.strip():
+            piece = text[: SAMPLE_BYTES - size]  # characters: at least as many bytes
+            sample.append(piece)
+            size += len(piece.encode("utf-8"))
+        if size >= SAMPLE_BYTES:
+            break
+    if not sample:
+        raise PPTError("the corpus has no documents (or only empty ones); check --source")
+    return size / sum(len(ids) for ids in tokenizer.encode_batch(sample))
+
+
+def local_document_source(files: list[Path], shuffle_seed: int | None) -> Callable[[], Iterator[str]]:
+    """A function giving the documents of local files from the start, each time in the same order: the files'
+    order, or with `shuffle_seed` a seeded shuffle of all documents, held in memory."""
+    if shuffle_seed is None:
+        return lambda: local_documents(files)
+    text_bytes = estimate_text_bytes(files)
+    if text_bytes > SHUFFLE_MAX_BYTES:
+        raise PPTError(
+            f"--shuffle-seed holds the corpus in memory, and it has about {format_sizes(text_bytes)[0]} of text "
+            f"(at most {format_sizes(SHUFFLE_MAX_BYTES)[0]}); shuffle its files or lines beforehand instead"
+        )
+    documents = list(local_documents(files))
+    random.Random(shuffle_seed).shuffle(documents)
+    return lambda: iter(documents)

@@ -1,0 +1,56 @@
+"""Where a training step's compute goes, for a config of ppt/model.py: the traced cost table (FLOPs and bytes per
+pass and op class), FLOPs per token (MFU convention and comparison rule), a device's peaks, utilization and roofline
+time (ppt/flops.py, ppt/roofline.py; docs/flops.md).
+
+    python -m scripts.flops --config smollm-360m --device h100
+    python -m scripts.flops --config multiscreen-d16 --seq-len 4096 --batch-size 1 --device h200
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ppt.common import ArgumentParser, PPTError, positive_float, positive_int, run_cli
+from ppt.comparison_flops import comparison_flops_rule
+from ppt.devices import DEVICES
+from ppt.flops import cost, si
+from ppt.model import build_model, get_config
+from ppt.roofline import report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="a name from ppt.model.CONFIGS (default: the model's DEFAULT_CONFIG)")
+    parser.add_argument("--depth", type=positive_int, help="the depth dial instead of a named config")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the config's max_seq_len)")
+    parser.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}, a CUDA device name, or cpu")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--duration-sec", type=positive_float, help="a measured step time: adds achieved utilization")
+    args = parser.parse_args(argv)
+    config = get_config(args.config, args.depth)
+    with torch.device("meta"):
+        model = build_model(config)
+    if sum(p.numel() for p in model.parameters()) <= 100_000_000:
+        # small enough to materialize: learned per-head values (e.g. screening windows) are then read at their
+        # initial values, so window-limited ops count in-window pairs instead of the every-pair upper bound
+        model.to_empty(device="cpu")
+        model.init_weights()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    seq_len = args.seq_len or config.max_seq_len
+    step = cost(model, args.batch_size, seq_len, dtype)
+    print(report(step, args.device, dtype, args.duration_sec))
+    rule = comparison_flops_rule(model, seq_len)
+    if rule.untraced:
+        raise PPTError(rule.warning())
+    print(
+        f"\nFLOPs/token, comparison rule (one document per row): {si(rule.per_token())} = 6N "
+        f"{si(6 * rule.params_matmul)} + mixers {si(rule.per_token() - 6 * rule.params_matmul)} over the pairs "
+        "they need (the MFU convention counts SDPA over all T x T pairs)"
+    )
+
+
+if __name__ == "__main__":
+    run_cli(main)

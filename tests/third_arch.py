@@ -1,0 +1,117 @@
+"""A third architecture, written as a researcher would add one to ppt/model.py, and not shipped there: a GPT-2-style
+decoder (pre-norm LayerNorm with biases, GELU MLP, learned positions indexed by doc_pos, tied head), through the
+contract of SPEC.md alone.
+
+`register(ppt.model)` adds its configs to CONFIGS and its class to build_model, the two edits model.py would get.
+conftest.py registers it for the whole test run, so every test that discovers the architectures of model.py
+runs on it too (test_contract.py counts them); test_ddp.py's workers register it in their own processes.
+
+`spare_calls` gives the model a spare linear layer that only its first `spare_calls` forwards on data use (a router
+that stops choosing an expert): 0 leaves it without a gradient from the start, 1 from the second such forward on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ppt.common import PPTError
+from ppt.kernels.attention import attention, document_mask
+from ppt.model import check_sequence_length, language_model_loss
+
+
+@dataclass
+class GPT2Config:
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 64
+    vocab_size: int = 512
+    max_seq_len: int = 128
+    spare_calls: int | None = None  # a spare layer used in the first N forwards only; None: no spare layer
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model)
+        self.fc_proj = nn.Linear(4 * config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor, mask: object) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(B, T, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(attention(q, k, v, mask).transpose(1, 2).reshape(B, T, d))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        if config.d_model % config.n_head:
+            raise PPTError(f"n_head {config.n_head} does not divide d_model {config.d_model}")
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.max_seq_len, config.d_model)  # indexed by the position inside the document
+        self.blocks = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.spare = nn.Linear(config.d_model, config.d_model) if config.spare_calls is not None else None
+        self.calls = 0
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2's: Normal(0, 0.02) weights, residual projections shrunk by depth, zero biases, unit LayerNorm gains."""
+        for name, param in self.named_parameters():
+            if param.ndim == 1:
+                nn.init.ones_(param) if name.endswith("weight") else nn.init.zeros_(param)
+            else:
+                residual = name.endswith(("proj.weight", "fc_proj.weight"))
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
+
+    def param_roles(self) -> dict[str, str]:
+        embeddings = {"wte.weight", "wpe.weight"}
+        return {
+            name: "embedding" if name in embeddings else "matrix" if param.ndim >= 2 else "scalar"
+            for name, param in self.named_parameters()
+        }
+
+    def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):  # the contract's signature
+        T = check_sequence_length(idx, self.config.max_seq_len)
+        positions = torch.arange(T, device=idx.device) if doc_pos is None else doc_pos
+        x = self.wte(idx) + self.wpe(positions)
+        mask = document_mask(doc_pos)
+        for block in self.blocks:
+            x = block(x, mask)
+        self.calls += not idx.is_meta  # forwards on data: the FLOPs traces run on meta
+        if self.spare is not None and self.calls <= self.config.spare_calls:
+            x = x + self.spare(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return logits if targets is None else language_model_loss(logits, targets, reduction)
+
+
+CONFIGS = {
+    "gpt2-tiny": GPT2Config(),
+    "gpt2-spare": GPT2Config(spare_calls=0),
+    "gpt2-spare-late": GPT2Config(spare_calls=1),
+}
+
+
+def register(model_file: ModuleType) -> None:
+    """Add this architecture to a model file: its configs to CONFIGS, its class to build_model."""
+    if "gpt2-tiny" in model_file.CONFIGS:
+        return
+    shipped = model_file.build_model
+
+    def build_model(config: object) -> nn.Module:
+        return GPT2(config) if isinstance(config, GPT2Config) else shipped(config)
+
+    model_file.CONFIGS.update(CONFIGS)
+    model_file.build_model = build_model
