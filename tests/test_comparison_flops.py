@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import sys
 import types
 from pathlib import Path
@@ -201,15 +200,6 @@ def test_the_loader_counts_the_document_positions_of_the_batches_it_returned(sho
 # ---- through training ------------------------------------------------------------------------------------------
 
 
-def train(argv: list[str]) -> None:
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        base_train.main(argv)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
 def run_argv(data: Path, out: Path, config: str, *extra: str) -> list[str]:
     return [
         "--config", config, "--data-dir", str(data), "--out-dir", str(out), "--tag", out.name, "--seq-len", "32",
@@ -228,7 +218,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 def test_a_run_counts_the_documents_of_the_batches_it_trained_on(short_docs, tmp_path):
     out = tmp_path / "vanilla"
-    train(run_argv(short_docs, out, "tiny", "--data-seed", "3"))
+    base_train.main(run_argv(short_docs, out, "tiny", "--data-seed", "3"))
     manifest = json.loads((out / "vanilla.json").read_text())
     rule = ComparisonFlops.from_state_dict(manifest["comparison_flops_rule"])
     loader = DataLoader(short_docs, "train", 2, 32, seed=3, prefetch=0)  # the run's batches, again
@@ -242,7 +232,7 @@ def test_a_run_counts_the_documents_of_the_batches_it_trained_on(short_docs, tmp
     assert manifest["final_val"]["comparison_flops"] == manifest["comparison_flops"] == total
 
     out = tmp_path / "whole-rows"
-    train(run_argv(short_docs, out, "tiny", "--data-seed", "3", "--no-doc-masks"))
+    base_train.main(run_argv(short_docs, out, "tiny", "--data-seed", "3", "--no-doc-masks"))
     flops = [flops for _, flops, _ in step_rows(out)]
     assert flops == [k * 128 * rule.per_token() for k in range(1, 7)]  # every row one document
     assert flops[-1] > total
@@ -254,9 +244,9 @@ def test_an_interrupted_multiscreen_run_counts_exactly_what_the_whole_run_counts
     monkeypatch.setattr(base_train, "RULE_RETRACE_STEPS", 2)
     fast = ("--lr", "0.05")  # windows move within these few steps
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    train(run_argv(short_docs, whole, "multiscreen-tiny", *fast))
-    train(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--max-steps", "3"))
-    train(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--resume", "auto"))
+    base_train.main(run_argv(short_docs, whole, "multiscreen-tiny", *fast))
+    base_train.main(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--max-steps", "3"))
+    base_train.main(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--resume", "auto"))
     assert step_rows(parts) == step_rows(whole)
     increments = np.diff([0] + [flops for _, flops, _ in step_rows(whole)])
     first = json.loads((whole / "whole.json").read_text())["comparison_flops_rule"]

@@ -4,7 +4,6 @@ resolve as documented, and wandb continues one run across a resume and base_eval
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import types
 from pathlib import Path
@@ -20,15 +19,6 @@ from ppt.data import DataLoader
 from scripts import base_eval, base_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-
-def train(argv: list[str]) -> None:
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        base_train.main(argv)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def run_argv(data: Path, out: Path, *extra: str, config: str = "tiny", steps: int = 4) -> list[str]:
@@ -50,7 +40,7 @@ def trajectory(out: Path) -> list[tuple]:
 def test_the_manifest_records_the_run_and_relaunches_it(demo_data_dir, tmp_path, capsys):
     first = tmp_path / "first"
     argv = run_argv(demo_data_dir, first, "--weight-decay", "0.05", "--no-doc-masks")
-    train(argv)
+    base_train.main(argv)
     log = capsys.readouterr().out
     data = manifest(first)
     assert data["argv"] == argv and data["command"].startswith("python -m scripts.base_train --config tiny")
@@ -71,7 +61,7 @@ def test_the_manifest_records_the_run_and_relaunches_it(demo_data_dir, tmp_path,
     assert "step      2/4 (50.0%) | loss " in log and "| grad " in log and "| mem " in log and "elapsed, eta" in log
 
     again = tmp_path / "again"
-    train(["--from-manifest", str(first / "first.json"), "--tag", "again", "--out-dir", str(again)])
+    base_train.main(["--from-manifest", str(first / "first.json"), "--tag", "again", "--out-dir", str(again)])
     assert trajectory(again) == trajectory(first)  # CPU: bit for bit
     changed = {k: (v, manifest(again)["args"][k]) for k, v in data["args"].items() if manifest(again)["args"][k] != v}
     assert changed == {"tag": ("first", "again"), "out_dir": (str(first), str(again))}
@@ -134,7 +124,9 @@ def test_one_data_seed_gives_every_architecture_the_same_tokens_and_the_model_se
         ("vanilla-data8", "tiny", ["--data-seed", "8", "--model-seed", "1"]),
     ]:
         batches.clear()
-        train(run_argv(demo_data_dir, tmp_path / name, *seeds, "--loader-prefetch", "0", config=config, steps=2))
+        base_train.main(
+            run_argv(demo_data_dir, tmp_path / name, *seeds, "--loader-prefetch", "0", config=config, steps=2)
+        )
         runs[name] = (torch.cat(batches), inits[-1])
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # noqa: E731
     assert torch.equal(runs["vanilla"][0], runs["screening"][0])  # another architecture, the same token stream
@@ -151,9 +143,9 @@ def test_one_data_seed_gives_every_architecture_the_same_tokens_and_the_model_se
 def test_a_flops_budget_becomes_a_token_budget_at_the_start(demo_data_dir, tmp_path):
     out = tmp_path / "budget"
     with pytest.raises(PPTError, match="--target-tokens or as --target-flops, not both"):
-        train(run_argv(demo_data_dir, out, "--target-flops", "1e9"))
+        base_train.main(run_argv(demo_data_dir, out, "--target-flops", "1e9"))
     argv = [a for a in run_argv(demo_data_dir, out) if a not in ("--target-tokens", str(4 * 128))]
-    train([*argv, "--target-flops", "3.3e9", "--data-seed", "4"])
+    base_train.main([*argv, "--target-flops", "3.3e9", "--data-seed", "4"])
     data = manifest(out)
     budget = data["train"]["budget"]
     rule = ComparisonFlops.from_state_dict(data["comparison_flops_rule"])
@@ -184,10 +176,10 @@ def test_wandb_continues_one_run_across_a_resume_and_an_evaluation(demo_data_dir
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = tmp_path / "tracked"
-    train([*run_argv(demo_data_dir, out, "--run", "tracked"), "--max-steps", "2"])
+    base_train.main([*run_argv(demo_data_dir, out, "--run", "tracked"), "--max-steps", "2"])
     assert fake.inits[0]["id"] is None and fake.inits[0]["resume"] == "allow"
     assert manifest(out)["wandb"] == {"project": "ppt", "name": "tracked", "id": "run1"}
-    train([*run_argv(demo_data_dir, out, "--run", "tracked"), "--resume", "auto"])
+    base_train.main([*run_argv(demo_data_dir, out, "--run", "tracked"), "--resume", "auto"])
     assert fake.inits[1]["id"] == "run1" and {run_id for run_id, _ in fake.logged} == {"run1"}
     keys = set().union(*(data for _, data in fake.logged))
     assert {"loss", "grad_norm", "max_rss_gb", "tokens", "comparison_flops", "val_nll", "val_bpb"} <= keys
