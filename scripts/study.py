@@ -60,6 +60,7 @@ from scripts.compare import compare
 # Flags the runner sets itself for every run; a grid that passes them would make runs that are not what they say.
 OWNED_FLAGS = ("--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops", "--target-tokens",
                "--tag", "--out-dir", "--resume", "--from-manifest")  # fmt: skip
+GRID_KEYS = ("name", "data_dir", "data_seed", "model_seeds", "budgets", "baseline", "args", "sweep", "arch")
 POLL_S = 0.5
 
 
@@ -113,7 +114,17 @@ def _numbers(path: Path, table: dict, key: str, kind: type, default: object = No
         raise _fail(path, f"`{key}` must hold whole numbers, got {value!r}")
     if any(not math.isfinite(v) or v < 0 or (kind is float and v == 0) for v in values):
         raise _fail(path, f"`{key}` must hold finite {'positive' if kind is float else 'non-negative'} numbers")
+    names = {f"{v:.3g}" if kind is float else str(int(v)) for v in values}  # as run names spell them (Run.name)
+    if len(names) < len(values):
+        raise _fail(path, f"`{key}` repeats a value (to the 3 digits run names carry): {value!r}; give each once")
     return [kind(v) for v in values]
+
+
+def _number(path: Path, table: dict, key: str, kind: type, default: object) -> int | float:
+    """One number, not a list (a list would silently stand for its first value)."""
+    if isinstance(table.get(key), list):
+        raise _fail(path, f"`{key}` takes one number, got {table[key]!r}")
+    return _numbers(path, table, key, kind, default)[0]
 
 
 def _flags(path: Path, value: object, where: str) -> list[str]:
@@ -133,17 +144,7 @@ def load_grid(path: Path) -> Grid:
         raise PPTError(f"cannot read the grid file {path} ({exc.strerror or exc}); pass an existing .toml") from exc
     except tomllib.TOMLDecodeError as exc:
         raise PPTError(f"{path} is not valid TOML ({exc}); fix the line it names") from exc
-    unknown = set(raw) - {
-        "name",
-        "data_dir",
-        "data_seed",
-        "model_seeds",
-        "budgets",
-        "baseline",
-        "args",
-        "sweep",
-        "arch",
-    }
+    unknown = set(raw) - set(GRID_KEYS)
     if unknown:
         raise _fail(path, f"unknown keys {sorted(unknown)}; see `python -m scripts.study --help`")
     if "data_dir" not in raw:
@@ -168,13 +169,13 @@ def load_grid(path: Path) -> Grid:
     return Grid(
         name=str(raw.get("name", Path(path).stem)),
         data_dir=Path(raw["data_dir"]).expanduser(),
-        data_seed=_numbers(path, raw, "data_seed", int, 0)[0],
+        data_seed=_number(path, raw, "data_seed", int, 0),
         model_seeds=model_seeds,
         budgets=budgets,
         baseline=baseline,
         args=_flags(path, raw.get("args", []), "args"),
         archs=archs,
-        sweep_budget=_numbers(path, sweep, "budget", float, budgets[0])[0],
+        sweep_budget=_number(path, sweep, "budget", float, budgets[0]),
         sweep_seeds=_numbers(path, sweep, "model_seeds", int, model_seeds[:1]),
     )
 
