@@ -15,7 +15,8 @@ In order:
              timed on its own launch, then the fastest plan per kernel, then register caps on its classes; it is
              checked, and timed as "ours (swept)"
   times      medians of triton.testing.do_bench (L2 flushed between runs): the op as the model calls it (fwd; fwd and
-             autograd backward), each kernel launch alone, the per-batch metadata, the seed's op, and --baseline
+             autograd backward), each kernel launch alone, the per-batch metadata, the seed's op, and --baseline;
+             and the device time of one fwd+bwd (its kernels' own time by torch.profiler: the host's speed left out)
   --profile  torch.profiler over fwd+bwd of the op (ours, and the seed's): device time by kernel
   work       per kernel: FLOPs of the in-window pairs and of the pairs its tiles compute, the HBM bytes it cannot avoid
              and the bytes its tiles read from L2, for the plans timed
@@ -57,13 +58,13 @@ TOLERANCE = 2e-2  # bf16 operands: relative error of h and the gradients against
 SHORT = {
     "forward": [(16, 16, 1, 2), (16, 16, 1, 3), (32, 16, 2, 2), (32, 16, 2, 3), (16, 32, 1, 2), (32, 32, 2, 2)],
     "dq": [(16, 16, 1, 2), (16, 16, 1, 3), (32, 16, 2, 2), (32, 16, 2, 3), (16, 32, 1, 2), (64, 16, 4, 2)],
-    "dkdv": [(16, 16, 1, 1), (16, 16, 1, 2), (16, 32, 1, 1), (16, 32, 2, 2), (32, 32, 2, 2), (16, 64, 2, 2)],
+    "dkdv": [(16, 16, 1, 1), (16, 16, 1, 3), (16, 32, 1, 1), (16, 32, 1, 3), (16, 32, 2, 2), (32, 32, 2, 3)],
 }
 LONG = {
     "forward": [(16, 16, 1, 2), (32, 16, 2, 3), (64, 16, 4, 3), (32, 32, 2, 2), (64, 32, 4, 3), (64, 64, 4, 3),
                 (128, 64, 8, 3)],
     "dq": [(16, 16, 1, 2), (32, 16, 2, 2), (64, 16, 4, 2), (32, 32, 2, 2), (64, 32, 4, 2), (64, 64, 4, 2)],
-    "dkdv": [(16, 16, 1, 2), (16, 32, 1, 1), (16, 32, 2, 2), (16, 64, 2, 2), (32, 64, 4, 2), (64, 64, 4, 2)],
+    "dkdv": [(16, 16, 1, 2), (16, 32, 1, 1), (16, 32, 1, 3), (16, 32, 1, 4), (16, 64, 2, 3), (32, 64, 4, 3)],
 }  # fmt: skip
 BOUNDARIES = (16, 32, 64)  # largest span of the short class, besides one class for all
 ALL_SPANS = (-(2**31), 2**31 - 1)  # every int32 span: one class
@@ -422,9 +423,12 @@ def capped(kind: str, plan: tuple, c: dict, measured: dict) -> tuple:
 
 
 def time_op(label: str, impl: Impl, c: dict, packing: str) -> tuple:
-    """(packing, label, fwd ms, fwd+bwd ms); fwd+bwd as training calls it (ours: the op and autograd)."""
+    """(packing, label, fwd ms, fwd+bwd ms, fwd+bwd device ms); fwd+bwd as training calls it (ours: the op and
+    autograd). The wall figures (do_bench) include host time wherever the host is slower than the kernels; the
+    device figure is the sum of the kernels' own times (torch.profiler)."""
     train, leaves = impl.train(c)
-    return packing, label, bench(lambda: impl.fwd(c)), bench(train, grad_to_none=leaves or None)
+    device_ms = sum(ms for ms, _ in kernel_times(train, leaves).values()) if torch.cuda.is_available() else math.nan
+    return packing, label, bench(lambda: impl.fwd(c)), bench(train, grad_to_none=leaves or None), device_ms
 
 
 def with_plans(plans: dict, fn: Callable[[], object]) -> object:
@@ -439,24 +443,35 @@ def with_plans(plans: dict, fn: Callable[[], object]) -> object:
             setattr(kernels, name, plan)
 
 
-def profile(label: str, fn: Callable[[], object], iterations: int = 5) -> None:
-    """Device time per iteration by kernel over `iterations` calls of fn (CPU time by op without CUDA)."""
+def kernel_times(fn: Callable[[], object], leaves: list[torch.Tensor], iterations: int = 10) -> dict:
+    """{kernel: (ms, launches) per call} over `iterations` calls of fn, the leaves' gradients cleared before each
+    call as training does (so no accumulation kernels are counted); CPU time by op without CUDA."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     cuda = torch.cuda.is_available()
-    fn()
+
+    def call() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        fn()
+
+    call()
     synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(iterations):
-            fn()
+            call()
         synchronize()
-    total_of = lambda e: e.device_time_total if cuda else e.self_cpu_time_total
-    rows = [(total_of(e) / iterations / 1e3, e.count // iterations, e.key) for e in prof.key_averages()
-            if total_of(e) > 0]  # fmt: skip
-    total = sum(ms for ms, _, _ in rows)
+    own_time = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total  # kernels, not the ops above
+    return {e.key: (own_time(e) / iterations / 1e3, e.count // iterations) for e in prof.key_averages() if own_time(e)}
+
+
+def profile(label: str, fn: Callable[[], object], leaves: list[torch.Tensor]) -> None:
+    """Prints the device time per call by kernel."""
+    times = kernel_times(fn, leaves)
+    total = sum(ms for ms, _ in times.values())
     print(f"\nprofile {label}: {total:.3f} ms of kernels per fwd+bwd")
-    for ms, count, name in sorted(rows, reverse=True)[:12]:
+    for name, (ms, count) in sorted(times.items(), key=lambda item: -item[1][0])[:12]:
         print(f"  {ms:8.4f} ms {100 * ms / total:5.1f}%  x{count:<3} {name[:90]}")
 
 
@@ -474,7 +489,9 @@ def time_optimizer(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     model.init_weights()
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
-    variants = [("ours", optim, False), ("ours, fused Newton-Schulz", optim, True)]
+    shipped = optim.FUSED_NEWTON_SCHULZ
+    variants = [(f"ours, {'fused' if fused else 'elementwise'} Newton-Schulz{' (shipped)' if fused == shipped else ''}",
+                 optim, fused) for fused in (False, True)]  # fmt: skip
     if args.baseline_optim:
         variants.append(
             (f"baseline {args.baseline_optim.name}", load_module("baseline_optim", args.baseline_optim), False)
@@ -498,7 +515,7 @@ def time_optimizer(args: argparse.Namespace) -> list[tuple[str, float, float]]:
             synchronize()
         device = start.elapsed_time(end) / 10 if torch.cuda.is_available() else math.nan
         rows.append((label, device, host))
-    optim.FUSED_NEWTON_SCHULZ = False
+    optim.FUSED_NEWTON_SCHULZ = shipped
     return rows
 
 
@@ -512,9 +529,10 @@ def time_packing(packing: str, c: dict, impls: dict, plans: dict, args: argparse
     print(f"\n{packing}: {len(c['lengths'])} rows x {args.row_len} tokens, {documents} documents, "
           f"{cost['pairs']:.4g} in-window pairs")  # fmt: skip
     results = [time_op(label, impl, c, packing) for label, impl in impls.items()]
-    results.append((packing, "ours metadata", bench(lambda: screening_metadata(c["doc_pos"])), math.nan))
+    results.append((packing, "ours metadata", bench(lambda: screening_metadata(c["doc_pos"])), math.nan, math.nan))
     seconds = lambda n_bytes: n_bytes / (args.hbm_tbps * 1e12) * 1e3
-    results.append((packing, "HBM floor", seconds(cost["fwd_bytes"]), seconds(cost["fwd_bytes"] + cost["bwd_bytes"])))
+    both = seconds(cost["fwd_bytes"] + cost["bwd_bytes"])
+    results.append((packing, "HBM floor", seconds(cost["fwd_bytes"]), both, both))
 
     dK, dV = c["q"].shape[-1], c["v"].shape[-1]
     header = "kernel   ms       useful GFLOP  computed GFLOP  tiles   HBM MB  L2 MB   TFLOP/s  HBM GB/s"
@@ -534,7 +552,7 @@ def time_packing(packing: str, c: dict, impls: dict, plans: dict, args: argparse
 def profile_all(c: dict, impls: dict) -> None:
     """Device time by kernel of one fwd+bwd as training calls it, for every implementation."""
     for label, impl in impls.items():
-        profile(label, impl.train(c)[0])
+        profile(label, *impl.train(c))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -572,14 +590,18 @@ def main(argv: list[str] | None = None) -> None:
         profile_all(cases["uniform"], impls)
     optimizer_rows = time_optimizer(args) if args.optimizer else []
 
-    print(f"\n{'packing':<9} {'what':<36} {'fwd ms':>8} {'fwd+bwd ms':>11}")
-    seed_times = {p: (f, b) for p, label, f, b in results if label == "seed"}
-    for packing, label, fwd_ms, both_ms in results:
+    print(f"\n{'packing':<9} {'what':<36} {'fwd ms':>8} {'fwd+bwd ms':>11} {'device ms':>10}")
+    seed_times = {p: (f, b, d) for p, label, f, b, d in results if label == "seed"}
+    for packing, label, fwd_ms, both_ms, device_ms in results:
         speedup = ""
         if packing in seed_times and label.startswith(("ours", "baseline")) and not label.endswith("metadata"):
-            sf, sb = seed_times[packing]
-            speedup = f"   {sf / fwd_ms:5.2f}x / {sb / both_ms:5.2f}x the seed"
-        print(f"{packing:<9} {label:<36} {fwd_ms:8.3f} {both_ms:11.3f}{speedup}")
+            sf, sb, sd = seed_times[packing]
+            speedup = f"   {sf / fwd_ms:5.2f}x / {sb / both_ms:5.2f}x / {sd / device_ms:5.2f}x the seed"
+        print(f"{packing:<9} {label:<36} {fwd_ms:8.3f} {both_ms:11.3f} {device_ms:10.3f}{speedup}")
+    print(
+        "fwd+bwd ms: wall time of a call (do_bench), host included where it is slower than the kernels; device ms: "
+        "the kernels' own time per fwd+bwd (torch.profiler)"
+    )
     for label, device_ms, host_ms in optimizer_rows:
         print(f"optimizer {label:<36} {device_ms:8.2f} ms on the device, {host_ms:7.2f} ms on the host per step")
     if "ours (swept)" in plans:

@@ -335,8 +335,10 @@ class MultiscreenBlock(nn.Module):
         k = mipe(k, window, positions, self.config.window_threshold).to(v.dtype)
         h = screening(q, k, v, window, rho, meta)  # (B, T, H, dV): sum of alpha * m * v
         gate = torch.tanh(F.silu(project_heads(x, self.w_g)))
-        u = tanh_norm(h) * gate * self.s_o.exp().to(h.dtype).unsqueeze(-1)
-        return x + torch.einsum("bthv,hdv->btd", u, self.w_o)  # residual plus the sum over heads
+        # the per-head output scale e^{s_o} multiplies the small per-head w_o rather than the (B, T, H, dV)
+        # activations: the same product, and its gradient is a reduction over w_o, not over every token
+        w_o = self.w_o * self.s_o.exp()[:, None, None]
+        return x + torch.einsum("bthv,hdv->btd", tanh_norm(h) * gate, w_o)  # residual plus the sum over heads
 
 
 class MultiscreenLM(nn.Module):

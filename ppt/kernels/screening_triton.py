@@ -35,11 +35,12 @@ from torch import Tensor
 Blocks = tuple[int, ...]
 Plan = tuple[tuple[int | None, Blocks], ...]  # ((largest span of the class, None for no limit), blocks) by span
 
-# The blocks an H200 sweep found fastest for one class at the model's shape (dK 16, dV 64, windows 2..257), measured
-# on the kernels before window classes (c4ba8bb); `bench/bench_screening.py --sweep` prints the fastest plans now.
-FORWARD_PLAN: Plan = ((None, (32, 16, 2, 3)),)
-DQ_PLAN: Plan = ((None, (32, 16, 2, 2)),)
-DKDV_PLAN: Plan = ((None, (16, 32, 1, 1)),)
+# The fastest blocks for one class at the model's shape (dK 16, dV 64, windows 2..257, 65,536 tokens) in a sweep on
+# an H200 (docs/benchmarks.md). Deep software pipelining (num_stages 3) matters most: the dK/dV pass spent half its
+# cycles waiting on its per-iteration loads with one stage.
+FORWARD_PLAN: Plan = ((None, (16, 16, 1, 3, 128)),)
+DQ_PLAN: Plan = ((None, (32, 16, 2, 3, 96)),)
+DKDV_PLAN: Plan = ((None, (16, 32, 1, 3)),)
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _HALF_PI = tl.constexpr(1.5707963267948966)
@@ -71,6 +72,23 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 def _span(w, T):
     """ceil(min(w, T)) as int32: how many keys back a window reaches (w = inf reaches the whole row)."""
     return tl.ceil(tl.minimum(w, T.to(tl.float32))).to(tl.int32)
+
+
+@triton.jit
+def _sincos(x):
+    """(sin x, cos x) of fp32 x, |x| < 2**15 (angles here stay below a few thousand), to about 1e-7: one shared
+    Cody-Waite reduction to [-pi/4, pi/4] and two short polynomials (Cephes' sinf/cosf), several times fewer
+    instructions than two libdevice calls. The prologue of every program evaluates a dozen of them per thread."""
+    k = tl.floor(x * 0.6366197723675814 + 0.5)  # nearest multiple of pi/2
+    r = ((x - k * 1.5703125) - k * 4.837512969970703125e-4) - k * 7.54978995489188216e-8  # pi/2 in three parts
+    r2 = r * r
+    sin_r = r + r * r2 * (-1.6666654611e-1 + r2 * (8.3321608736e-3 + r2 * -1.9515295891e-4))
+    cos_r = 1.0 - 0.5 * r2 + r2 * r2 * (4.166664568298827e-2 + r2 * (-1.388731625493765e-3 + r2 * 2.443315711809948e-5))
+    quadrant = k.to(tl.int32) & 3
+    odd = (quadrant & 1) != 0
+    sin_x = tl.where(odd, cos_r, sin_r)
+    cos_x = tl.where(odd, sin_r, cos_r)
+    return tl.where((quadrant & 2) != 0, -sin_x, sin_x), tl.where(((quadrant + 1) & 2) != 0, -cos_x, cos_x)
 
 
 @triton.jit
@@ -157,10 +175,10 @@ def _forward_kernel(
     q = _load_rows(Q, b, i0, T, stride_b, stride_t, h * DK, DK, BLOCK_M)
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     row_angle = (rows + (i0 - first_key)).to(tl.float32) * half_phase
-    cos_row, sin_row = tl.cos(row_angle), tl.sin(row_angle)
+    sin_row, cos_row = _sincos(row_angle)
     col_angle = cols.to(tl.float32) * half_phase
-    cos_col, sin_col = tl.cos(col_angle), tl.sin(col_angle)
-    cos_step, sin_step = tl.cos(-BLOCK_N * half_phase), tl.sin(-BLOCK_N * half_phase)
+    sin_col, cos_col = _sincos(col_angle)
+    sin_step, cos_step = _sincos(-BLOCK_N * half_phase)
 
     acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
     for j0 in range(first_key, last_key, BLOCK_N):
@@ -188,7 +206,7 @@ def _dq_kernel(
     tile = tl.program_id(1)
     i0 = tile * BLOCK_M
     b, h = bh // H, bh % H
-    part = bh * tl.num_programs(1) + tile
+    part = (h * (tl.num_programs(0) // H) + b) * tl.num_programs(1) + tile  # head-major: (H, B * tiles) partials
     w = tl.load(WINDOW + h)
     span = _span(w, T)
     if (span < span_lo) | (span > span_hi):  # another class's launch handles this head; its partials are zero here
@@ -203,10 +221,10 @@ def _dq_kernel(
     dout = _load_rows(DOUT, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     row_pos = (rows + (i0 - first_key)).to(tl.float32)
-    cos_row, sin_row = tl.cos(row_pos * half_phase), tl.sin(row_pos * half_phase)
+    sin_row, cos_row = _sincos(row_pos * half_phase)
     col_pos = cols.to(tl.float32)
-    cos_col, sin_col = tl.cos(col_pos * half_phase), tl.sin(col_pos * half_phase)
-    cos_step, sin_step = tl.cos(-BLOCK_N * half_phase), tl.sin(-BLOCK_N * half_phase)
+    sin_col, cos_col = _sincos(col_pos * half_phase)
+    sin_step, cos_step = _sincos(-BLOCK_N * half_phase)
 
     dq = tl.zeros((BLOCK_M, DK), dtype=tl.float32)
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -261,10 +279,10 @@ def _dkdv_kernel(
     # tiles are (keys x queries): the key tile is fixed and query tiles move, their half angles turning by
     # +BLOCK_M * half_phase per query tile
     key_angle = keys.to(tl.float32) * half_phase
-    cos_key, sin_key = tl.cos(key_angle), tl.sin(key_angle)
+    sin_key, cos_key = _sincos(key_angle)
     query_angle = (queries + (first_query - j0)).to(tl.float32) * half_phase
-    cos_query, sin_query = tl.cos(query_angle), tl.sin(query_angle)
-    cos_step, sin_step = tl.cos(BLOCK_M * half_phase), tl.sin(BLOCK_M * half_phase)
+    sin_query, cos_query = _sincos(query_angle)
+    sin_step, cos_step = _sincos(BLOCK_M * half_phase)
 
     dk = tl.zeros((BLOCK_N, DK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, DV), dtype=tl.float32)
@@ -335,13 +353,15 @@ def dq_class(
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     n_tiles = triton.cdiv(T, block_m)
-    partials = torch.empty((2, B, H, n_tiles), device=q.device, dtype=torch.float32)
+    partials = torch.empty((2, H, B * n_tiles), device=q.device, dtype=torch.float32)
     _dq_kernel[(B * H, n_tiles)](
         q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
         span_lo, span_hi,
         DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
-    return partials[0].sum(dim=(0, 2)), partials[1].sum(dim=(0, 2))  # separate tensors: no aliasing
+    # sums over each head's contiguous row of partials (a strided (B, H, tiles) sum took 25 us each on an H200);
+    # two sums, not one: the op's outputs must not alias each other
+    return partials[0].sum(dim=1), partials[1].sum(dim=1)
 
 
 def dkdv_class(
