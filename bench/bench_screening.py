@@ -17,11 +17,14 @@ In order:
   times      medians of triton.testing.do_bench (L2 flushed between runs): the op as the model calls it (fwd; fwd and
              autograd backward), each kernel launch alone, the per-batch metadata, the seed's op, and --baseline;
              and the device time of one fwd+bwd (its kernels' own time by torch.profiler: the host's speed left out)
-  --profile  torch.profiler over fwd+bwd of the op (ours, and the seed's): device time by kernel
+  --profile  the device time of that fwd+bwd by kernel, for every implementation (uniform packing)
   work       per kernel: FLOPs of the in-window pairs and of the pairs its tiles compute, the HBM bytes it cannot avoid
              and the bytes its tiles read from L2, for the plans timed
   --optimizer  one Aurora step over multiscreen-d16's parameters (random gradients): device and host time per step,
              elementwise and fused Newton-Schulz (and --baseline-optim, an optim.py from another commit)
+  --launch-once  instead of all the above, each kernel of ours and of --baseline launched once on the uniform case,
+             the program to profile:  ncu --clock-control none --kernel-name regex:'_(forward|dq|dkdv)_kernel'
+             --set full python -m bench.bench_screening --launch-once --baseline FILE
 The seed's kernel is imported from --ref/multiscreen_gist.py (its wandb import stubbed, nothing trained); copy the
 seed's folder there. --baseline takes a ppt/kernels/screening_triton.py of another commit (`git show
 REV:ppt/kernels/screening_triton.py > .ref/screening_triton_REV.py`), timed on the same inputs.
@@ -90,6 +93,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline-optim", type=Path, help="an optim.py of another commit, for --optimizer")
     p.add_argument("--sweep", action="store_true", help="time tile sizes per window class, report the fastest plans")
     p.add_argument("--profile", action="store_true", help="device time of one fwd+bwd by kernel (torch.profiler)")
+    p.add_argument(
+        "--launch-once",
+        action="store_true",
+        help="launch each kernel of ours and --baseline once and stop, nothing timed: for Nsight Compute",
+    )
     p.add_argument("--optimizer", action="store_true", help="time an Aurora step on multiscreen-d16's parameters")
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument(
@@ -427,7 +435,8 @@ def time_op(label: str, impl: Impl, c: dict, packing: str) -> tuple:
     autograd). The wall figures (do_bench) include host time wherever the host is slower than the kernels; the
     device figure is the sum of the kernels' own times (torch.profiler)."""
     train, leaves = impl.train(c)
-    device_ms = sum(ms for ms, _ in kernel_times(train, leaves).values()) if torch.cuda.is_available() else math.nan
+    times = c.setdefault("kernel_times", {})[label] = kernel_times(train, leaves)  # --profile prints them
+    device_ms = sum(ms for ms, _ in times.values()) if torch.cuda.is_available() else math.nan
     return packing, label, bench(lambda: impl.fwd(c)), bench(train, grad_to_none=leaves or None), device_ms
 
 
@@ -466,9 +475,8 @@ def kernel_times(fn: Callable[[], object], leaves: list[torch.Tensor], iteration
     return {e.key: (own_time(e) / iterations / 1e3, e.count // iterations) for e in prof.key_averages() if own_time(e)}
 
 
-def profile(label: str, fn: Callable[[], object], leaves: list[torch.Tensor]) -> None:
-    """Prints the device time per call by kernel."""
-    times = kernel_times(fn, leaves)
+def print_kernel_times(label: str, times: dict) -> None:
+    """Prints the device time per fwd+bwd by kernel, from kernel_times."""
     total = sum(ms for ms, _ in times.values())
     print(f"\nprofile {label}: {total:.3f} ms of kernels per fwd+bwd")
     for name, (ms, count) in sorted(times.items(), key=lambda item: -item[1][0])[:12]:
@@ -549,14 +557,23 @@ def time_packing(packing: str, c: dict, impls: dict, plans: dict, args: argparse
     return results
 
 
-def profile_all(c: dict, impls: dict) -> None:
-    """Device time by kernel of one fwd+bwd as training calls it, for every implementation."""
-    for label, impl in impls.items():
-        profile(label, *impl.train(c))
+def launch_once(args: argparse.Namespace) -> None:
+    """Each kernel of ours (and of --baseline) launched once on the uniform case, nothing checked or timed: the
+    program for a profiler that replays kernels, such as Nsight Compute (see the module docstring)."""
+    impls = [ours()] + ([baseline(load_module("baseline_screening_triton", args.baseline))] if args.baseline else [])
+    rows = args.tokens // args.row_len
+    c = make_case(document_lengths("uniform", rows, args.row_len, args.seed), args.row_len, args)
+    for impl in impls:
+        impl.fwd(c)
+        impl.bwd(c)
+    synchronize()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.launch_once:
+        launch_once(args)
+        return
     seed = load_seed(args.ref, args)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, Triton interpreter"
     print(f"{device}; torch {torch.__version__}; triton {triton.__version__}")
@@ -587,7 +604,8 @@ def main(argv: list[str] | None = None) -> None:
     for packing, c in cases.items():
         results += time_packing(packing, c, impls, plans, args)
     if args.profile:
-        profile_all(cases["uniform"], impls)
+        for label, times in cases["uniform"]["kernel_times"].items():
+            print_kernel_times(label, times)
     optimizer_rows = time_optimizer(args) if args.optimizer else []
 
     print(f"\n{'packing':<9} {'what':<36} {'fwd ms':>8} {'fwd+bwd ms':>11} {'device ms':>10}")

@@ -30,7 +30,8 @@ MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 POLAR_COEFFICIENTS = (2.0, -1.5, 0.5)
 # Each Newton-Schulz iteration as three matmuls with the polynomial's sums in their epilogues (baddbmm), instead of
 # three matmuls and five elementwise ops. One rounding per matmul instead of one per op: not bitwise the same as the
-# elementwise form (False), which an Aurora step over multiscreen-d16 took 18.2 ms on an H200 against 13.3 ms fused.
+# elementwise form (False); an Aurora step over multiscreen-d16 took 9.0 ms fused against 15.2 ms elementwise on an
+# H200 (docs/benchmarks.md).
 FUSED_NEWTON_SCHULZ = True
 
 
