@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ppt.common import PPTError
 from ppt.kernels.attention import attention, document_mask
+from ppt.kernels.cross_entropy import linear_cross_entropy
 from ppt.kernels.screening import KERNEL_HEAD_DIMS, screening, screening_metadata
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -207,8 +208,7 @@ class Llama(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
-        logits = F.linear(self.norm(x), self.embed.weight)  # tied head
-        return logits if targets is None else language_model_loss(logits, targets, reduction)
+        return head_logits_or_loss(self.norm(x), self.embed.weight, targets, reduction)  # tied head
 
 
 def check_sequence_length(idx: torch.Tensor, max_seq_len: int) -> int:
@@ -216,6 +216,19 @@ def check_sequence_length(idx: torch.Tensor, max_seq_len: int) -> int:
     if T > max_seq_len:
         raise PPTError(f"sequence length {T} exceeds the model's max_seq_len {max_seq_len}; feed shorter sequences")
     return T
+
+
+def head_logits_or_loss(
+    x: torch.Tensor, head: torch.Tensor, targets: torch.Tensor | None, reduction: str
+) -> torch.Tensor:
+    """The logits F.linear(x, head) without targets, else their loss as language_model_loss defines it. A training
+    loss (mean, gradients on) takes its gradient in the forward (ppt/kernels/cross_entropy.py): the backward then
+    makes no pass over the (B, T, V) logits."""
+    if targets is None:
+        return F.linear(x, head)
+    if reduction == "mean" and torch.is_grad_enabled():
+        return linear_cross_entropy(x, head, targets)
+    return language_model_loss(F.linear(x, head), targets, reduction)
 
 
 def language_model_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -385,8 +398,9 @@ class MultiscreenLM(nn.Module):
         x = F.embedding(idx, embed) * self.s_e.exp()
         for block in self.blocks:
             x = block(x, doc_pos, meta)  # MiPE positions count from each document's start
-        logits = F.linear(x, embed) * self.s_f.exp()
-        return logits if targets is None else language_model_loss(logits, targets, reduction)
+        # the logit scale e^{s_f} multiplies x (B, T, d), not the logits (B, T, V): the same product, and neither the
+        # forward nor the backward spends a pass over the logits on it
+        return head_logits_or_loss(x * self.s_f.exp(), embed, targets, reduction)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
