@@ -18,7 +18,8 @@ import triton.language as tl
 from torch import Tensor
 
 # (BLOCK_V logits per loop step, num_warps). Few rows may be in flight, or a row leaves L2 before its second pass.
-# (16384, 16) took 8.08 ms at 131,072 x 49,152 bf16 on an H200, (8192, 16) 8.95, (2048, 4) 9.16, (16384, 32) 9.94.
+# (16384, 16) took 7.47 ms at 131,072 x 49,152 bf16 on an H200, (8192, 16) 8.36, (2048, 4) 9.18, (16384, 32) 10.69
+# (docs/benchmarks.md, "The training loss through the tied head").
 FORWARD_BLOCKS = (16384, 16)
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
