@@ -15,10 +15,13 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
-# Kernels by name, for those launched outside a custom op or the optimizer's step (first match wins)
+# Kernels by name, for those launched outside a custom op or the optimizer's step (first match wins). Inductor's
+# pointwise, persistent and looped reductions come before matmul: their names list the ops fused into them, and one
+# fed by a batched matmul's output ("..._add_bmm_clamp_min_...") is elementwise work, not a matmul.
 KERNEL_KINDS = [
     ("attention", r"flex|attn|attention|fmha|flash"),
-    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|mm_"),
+    ("fused elementwise (inductor)", r"^triton_(poi|per|red)_"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|mm_|^triton_tem_"),
     ("communication", r"nccl"),
     ("fused elementwise (inductor)", r"^triton_"),
     ("copies and fills", r"memcpy|memset|copy|fill"),
