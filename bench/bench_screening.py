@@ -195,13 +195,14 @@ def ours(plans: dict | None = None) -> Impl:
     autograd, as the model calls it, with the module's plans set to these."""
     plans = plans or {name: getattr(kernels, constant) for name, constant in PLAN_NAMES.items()}
 
-    def fwd(c: dict) -> torch.Tensor:
-        return kernels.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0], plans["forward"])
+    def fwd(c: dict) -> torch.Tensor:  # with the values' inverse norms, which the op takes in its forward
+        return kernels.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0], plans["forward"])[
+            0
+        ]
 
     def bwd(c: dict) -> tuple:
-        return kernels.screening_backward(
-            c["q"], c["k"], c["v"], c["window"], c["rho"], *c["meta"], c["grad_out"], plans["dq"], plans["dkdv"]
-        )
+        q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
+        return kernels.screening_backward(q, k, v, w, r, *c["meta"], inverse_norms(c), g, plans["dq"], plans["dkdv"])
 
     def train(c: dict) -> tuple[Callable[[], object], list[torch.Tensor]]:
         leaves = [c[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "window", "rho")]
@@ -211,10 +212,28 @@ def ours(plans: dict | None = None) -> Impl:
     return Impl(fwd, bwd, train)
 
 
+def inverse_norms(c: dict) -> torch.Tensor:
+    """The values' inverse norms that our forward hands its backward, once per case."""
+    if "inv_norm" not in c:
+        c["inv_norm"] = kernels.inverse_norms(c["v"])
+    return c["inv_norm"]
+
+
 def baseline(module: types.ModuleType) -> Impl:
-    """A kernel file of another commit: screening_forward / screening_backward with its own defaults."""
-    fwd = lambda c: module.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0])
-    bwd = lambda c: module.screening_backward(c["q"], c["k"], c["v"], c["window"], c["rho"], *c["meta"], c["grad_out"])
+    """A kernel file of another commit: screening_forward / screening_backward with its own defaults. Files before
+    the op normalized the values take them normalized (the case's are) and return h alone."""
+    takes_norms = "inv_norm" in module.screening_backward.__code__.co_varnames
+    first = lambda out: out[0] if takes_norms else out
+
+    def fwd(c: dict) -> torch.Tensor:
+        return first(module.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0]))
+
+    def bwd(c: dict) -> tuple:
+        q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
+        if takes_norms:
+            return module.screening_backward(q, k, v, w, r, *c["meta"], module.inverse_norms(v), g)
+        return module.screening_backward(q, k, v, w, r, *c["meta"], g)
+
     return Impl(fwd, bwd, lambda c: ((lambda: (fwd(c), bwd(c))), []))
 
 
@@ -350,7 +369,7 @@ def minimal_bytes(kind: str, c: dict) -> int:
     B, T, H, dK = c["q"].shape
     dV = c["v"].shape[-1]
     elements = {"forward": 2 * dK + 2 * dV, "dq": 2 * dK + 2 * dV + dK, "dkdv": 2 * dK + 2 * dV + dK + dV}[kind]
-    return 2 * B * T * H * elements + 4 * B * T * (1 if kind != "dkdv" else 2)
+    return 2 * B * T * H * elements + 4 * B * T * H + 4 * B * T * (1 if kind != "dkdv" else 2)  # + inverse norms
 
 
 FLOPS_PER_PAIR = {"forward": lambda dK, dV: 2 * (dK + dV), "dq": lambda dK, dV: 2 * (2 * dK + dV),
@@ -365,14 +384,15 @@ def class_launch(kind: str, c: dict, span_range: tuple[int, int], blocks: tuple)
     """One class's launch of a kernel on case c, writing into buffers of its own."""
     q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
     doc_start, doc_end = c["meta"]
+    inv_norm = inverse_norms(c)
     if kind == "forward":
         out = torch.empty_like(v)
-        return lambda: kernels.forward_class(q, k, v, out, w, r, doc_start, *span_range, blocks)
+        return lambda: kernels.forward_class(q, k, v, inv_norm, out, w, r, doc_start, *span_range, blocks)
     if kind == "dq":
         dq = torch.empty_like(q)
-        return lambda: kernels.dq_class(q, k, v, g, dq, w, r, doc_start, *span_range, blocks)
+        return lambda: kernels.dq_class(q, k, v, inv_norm, g, dq, w, r, doc_start, *span_range, blocks)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    return lambda: kernels.dkdv_class(q, k, v, g, dk, dv, w, r, doc_start, doc_end, *span_range, blocks)
+    return lambda: kernels.dkdv_class(q, k, v, inv_norm, g, dk, dv, w, r, doc_start, doc_end, *span_range, blocks)
 
 
 def time_kernels(plans: dict, c: dict) -> dict[str, float]:

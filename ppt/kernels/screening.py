@@ -5,7 +5,12 @@ For each batch row b, head h and query position i (all tensors are (B, T, H, D),
     s_ij     = q_i . k_j                                   (q, k unit-normalized per head by the caller)
     alpha_ij = max(1 - rho_h * (1 - s_ij), 0)^2            (trim-and-square; rho = 1/r, the acceptance multiplier)
     m_ij     = (cos(pi * (i - j) / w_h) + 1) / 2           if 0 <= i - j < w_h and j >= doc_start_i, else 0
-    h_i      = sum_j alpha_ij * m_ij * v_j                 (no normalization)
+    h_i      = sum_j alpha_ij * m_ij * v_j / |v_j|         (unit values, no normalization of the sum)
+
+The op normalizes the values itself (|v_j| clamped below at 1e-12, as F.normalize): the kernels scale the weights
+by 1 / |v_j| and return the raw values' gradient, so no separate pass reads and writes the (B, T, H, dV) values
+for the normalization and its backward. q and k are the caller's: rotary-style encodings sit between their
+normalization and the op.
 
 `w_h = inf` makes head h see its whole document prefix with m = 1. Gradients flow to q, k, v, window and rho.
 
@@ -38,6 +43,7 @@ import torch
 from torch import Tensor
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
+NORM_EPS = 1e-12  # v_j / max(|v_j|, eps), F.normalize's default (the kernels' _NORM_EPS)
 _QUERY_CHUNK = 256  # the plain-torch paths materialize (B, H, chunk, T) scores, not (B, H, T, T)
 
 
@@ -158,6 +164,7 @@ def screening_reference(
     _check_inputs(q, k, v, window, rho, doc_start, doc_end, param_dtypes=(torch.float32, torch.float64))
     dtype = _compute_dtype(q)
     q, k, v, window, rho = (t.to(dtype) for t in (q, k, v, window, rho))
+    v = v / v.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
     T = q.shape[1]
     chunks = []
     for i0 in range(0, T, _QUERY_CHUNK):
@@ -168,12 +175,19 @@ def screening_reference(
     return torch.cat(chunks, dim=1).to(v.dtype)
 
 
+def _unit_rows_and_inverse_norms(v: Tensor) -> tuple[Tensor, Tensor]:
+    """(v / max(|v|, eps), 1 / max(|v|, eps)) in v's dtype, the inverse norms (B, T, H)."""
+    inv_norm = v.norm(dim=-1).clamp_min(NORM_EPS).reciprocal()
+    return v * inv_norm[..., None], inv_norm
+
+
 def _screening_backward_torch(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, grad_out: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Analytic gradients in plain PyTorch (the CPU backward of the op; custom-op bodies run without autograd)."""
     dtype = _compute_dtype(q)
     qc, kc, vc, w, r, go = (t.to(dtype) for t in (q, k, v, window, rho, grad_out))
+    vc, inv_norm = _unit_rows_and_inverse_norms(vc)
     dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
     dw, dr = torch.zeros_like(w), torch.zeros_like(r)
     T = q.shape[1]
@@ -192,6 +206,9 @@ def _screening_backward_torch(
         # d m / d w = sin(phase) * phase / (2 w), zero outside the mask (where m is zero) and for w = inf.
         dm_dw = torch.where(m > 0, 0.5 * torch.sin(phase) * phase / w.view(-1, 1, 1), torch.zeros_like(m))
         dw += (g * alpha * dm_dw).sum(dim=(0, 2, 3))
+    # from the unit rows' gradient to the raw rows': drop the radial part (none where the norm is clamped), / |v|
+    radial = torch.where(inv_norm < 1 / NORM_EPS, (vc * dv).sum(dim=-1), 0)
+    dv = (dv - vc * radial[..., None]) * inv_norm[..., None]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(window.dtype), dr.to(rho.dtype)
 
 
@@ -199,18 +216,22 @@ def _screening_backward_torch(
 # The custom op: Triton on CUDA, the plain-torch paths elsewhere
 
 
+# The forward op returns h and the values' inverse norms (fp32, fp64 for fp64 inputs), which the backward reuses.
+
+
 @torch.library.custom_op("ppt::screening", mutates_args=())
 def _screening_op(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     _check_values(window, rho)
-    return screening_reference(q, k, v, window, rho, (doc_start, doc_end))
+    inv_norm = _unit_rows_and_inverse_norms(v.to(_compute_dtype(v)))[1]
+    return screening_reference(q, k, v, window, rho, (doc_start, doc_end)), inv_norm
 
 
 @_screening_op.register_kernel("cuda")
 def _screening_cuda(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     from ppt.kernels.screening_triton import screening_forward
 
     return screening_forward(q, k, v, window, rho, doc_start)
@@ -219,30 +240,33 @@ def _screening_cuda(
 @_screening_op.register_fake
 def _screening_fake(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> Tensor:
-    return v.new_empty(v.shape)
+) -> tuple[Tensor, Tensor]:
+    return v.new_empty(v.shape), v.new_empty(v.shape[:-1], dtype=_compute_dtype(v))
 
 
 @torch.library.custom_op("ppt::screening_backward", mutates_args=())
 def _screening_backward_op(
-    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor, grad_out: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _screening_backward_torch(q, k, v, window, rho, doc_start, grad_out)
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
+    inv_norm: Tensor, grad_out: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return _screening_backward_torch(q, k, v, window, rho, doc_start, grad_out)  # recomputes inv_norm in v's dtype
 
 
 @_screening_backward_op.register_kernel("cuda")
 def _screening_backward_cuda(
-    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor, grad_out: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
+    inv_norm: Tensor, grad_out: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     from ppt.kernels.screening_triton import screening_backward
 
-    return screening_backward(q, k, v, window, rho, doc_start, doc_end, grad_out)
+    return screening_backward(q, k, v, window, rho, doc_start, doc_end, inv_norm, grad_out)
 
 
 @_screening_backward_op.register_fake
 def _screening_backward_fake(
-    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor, grad_out: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
+    inv_norm: Tensor, grad_out: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     return (
         q.new_empty(q.shape),
         k.new_empty(k.shape),
@@ -252,27 +276,28 @@ def _screening_backward_fake(
     )
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor) -> None:
-    ctx.save_for_backward(*inputs)
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    ctx.save_for_backward(*inputs, output[1])
+    ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor) -> tuple:
-    q, k, v, window, rho, doc_start, doc_end = ctx.saved_tensors
-    dq, dk, dv, dw, dr = _screening_backward_op(q, k, v, window, rho, doc_start, doc_end, grad_out.contiguous())
-    return dq, dk, dv, dw, dr, None, None
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor, _grad_inv_norm: Tensor | None) -> tuple:
+    q, k, v, window, rho, doc_start, doc_end, inv_norm = ctx.saved_tensors
+    grads = _screening_backward_op(q, k, v, window, rho, doc_start, doc_end, inv_norm, grad_out.contiguous())
+    return *grads, None, None
 
 
 _screening_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def screening(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, meta: tuple[Tensor, Tensor]) -> Tensor:
-    """h (B, T, H, dV) = sum_j alpha_ij m_ij v_j (module docstring). meta comes from `screening_metadata(doc_pos)`."""
+    """h (B, T, H, dV) = sum_j alpha_ij m_ij v_j / |v_j| (module docstring); meta from `screening_metadata(doc_pos)`."""
     doc_start, doc_end = meta
     _check_inputs(q, k, v, window, rho, doc_start, doc_end)
     if q.device.type == "cuda":
         _check_kernel_inputs(q, v)
     q, k, v, doc_start, doc_end = (t.contiguous() for t in (q, k, v, doc_start, doc_end))  # what the kernels index
-    return torch.ops.ppt.screening(q, k, v, window, rho, doc_start, doc_end)
+    return torch.ops.ppt.screening(q, k, v, window, rho, doc_start, doc_end)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -322,18 +347,20 @@ def screening_cost(
     """FLOPs and HBM bytes of one screening call, counting in-window, in-document pairs only (see `_pair_count`).
 
     Forward: 2 (dK + dV) FLOPs per pair (q.k and alpha m v); backward 4 (dK + dV) (dQ, dK, the score gradient and
-    dV). Bytes, each tensor once: forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv.
+    dV). Bytes, each tensor once: forward reads q, k, v and writes h and the values' fp32 inverse norms; backward
+    reads q, k, v, the inverse norms and dh and writes dq, dk, dv.
     """
     pairs = _pair_count(T, window, meta, B, H)
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = B * T * H
     meta_bytes = 2 * 4 * B * T
+    norm_bytes = 4 * tokens
     return {
         "pairs": pairs,
         "fwd_flops": 2 * (dK + dV) * pairs,
         "bwd_flops": 4 * (dK + dV) * pairs,
-        "fwd_bytes": elem * tokens * (2 * dK + 2 * dV) + meta_bytes,
-        "bwd_bytes": elem * tokens * (4 * dK + 3 * dV) + meta_bytes,
+        "fwd_bytes": elem * tokens * (2 * dK + 2 * dV) + norm_bytes + meta_bytes,
+        "bwd_bytes": elem * tokens * (4 * dK + 3 * dV) + norm_bytes + meta_bytes,
     }
 
 

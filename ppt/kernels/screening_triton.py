@@ -1,10 +1,13 @@
 """Triton kernels of the screening op (math in ppt/kernels/screening.py's docstring).
 
-Three kernels, one program per (batch row, head, tile), no atomics:
-  forward : per query tile, loop over the key tiles its window and document reach
+Three kernels, one program per (batch row, head, tile), no atomics, and a pass that takes each value row's inverse
+norm 1 / |v_j| (the op normalizes v itself):
+  forward : per query tile, loop over the key tiles its window and document reach; 1 / |v_j| scales column j of the
+            weights, so the values are read as they are
   dQ      : same loop; also writes per-program partial sums of d window and d rho (reduced by torch afterwards)
   dK/dV   : per key tile, loop over the query tiles whose window and document reach it; its tiles are (keys x
-            queries), so the products it feeds back into dK and dV need no transpose
+            queries), so the products it feeds back into dK and dV need no transpose. It returns the gradient of
+            the raw values: the normalization's backward is its epilogue
 Loop bounds come from the window and the document metadata inside the kernel, so no host sync and no wasted tiles
 outside [max(doc start, i0 - ceil(w) + 1), i1]; tiles wholly inside window and document skip the mask.
 
@@ -43,6 +46,8 @@ DQ_PLAN: Plan = ((None, (32, 16, 2, 3, 96)),)
 DKDV_PLAN: Plan = ((None, (16, 32, 1, 3)),)
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_NORM_EPS = tl.constexpr(1e-12)  # v_j / max(|v_j|, eps): F.normalize's default, as the plain-torch paths
+_NORM_ROWS = 64  # value rows per program of the inverse-norm pass
 _HALF_PI = tl.constexpr(1.5707963267948966)
 
 
@@ -137,6 +142,22 @@ def _store_rows(PTR, x, b, start, T, stride_b, stride_t, col_offset, D: tl.const
 
 
 @triton.jit
+def _load_inv_norms(INV_NORM, b, j0, T, H, h, BLOCK_N: tl.constexpr):
+    """1 / |v_j| of key rows [j0, j0 + BLOCK_N) of head h from the (B, T, H) fp32 inverse norms, 0 past the row."""
+    offs_j = j0 + tl.arange(0, BLOCK_N)
+    return tl.load(INV_NORM + (b * T + offs_j) * H + h, mask=offs_j < T, other=0.0)
+
+
+@triton.jit
+def _inv_norm_kernel(V, INV_NORM, n_rows, DV: tl.constexpr, ROWS: tl.constexpr):
+    """1 / max(|v|, eps) of ROWS rows of the contiguous (rows, DV) values."""
+    offs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    v = tl.load(V + offs[:, None] * DV + tl.arange(0, DV)[None, :], mask=(offs < n_rows)[:, None], other=0.0)
+    norm = tl.sqrt(tl.sum(v.to(tl.float32) * v.to(tl.float32), axis=1))
+    tl.store(INV_NORM + offs, 1.0 / tl.maximum(norm, _NORM_EPS), mask=offs < n_rows)
+
+
+@triton.jit
 def _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per query tile: how many keys each row sees, the largest doc start, and the key range [first_key, last_key)."""
     offs_i = i0 + tl.arange(0, BLOCK_M)
@@ -157,7 +178,7 @@ def _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M: tl.constexpr, BLOCK_N:
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, OUT, WINDOW, RHO, DOC_START,
+    Q, K, V, INV_NORM, OUT, WINDOW, RHO, DOC_START,
     T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -184,6 +205,7 @@ def _forward_kernel(
     for j0 in range(first_key, last_key, BLOCK_N):
         k = _load_rows(K, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
         v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
+        inv_norm = _load_inv_norms(INV_NORM, b, j0, T, H, h, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         trimmed = tl.maximum(rho * s + (1.0 - rho), 0.0)
         u = _half_softmask(cos_row, sin_row, cos_col, sin_col)
@@ -191,14 +213,14 @@ def _forward_kernel(
             lag = (rows + (i0 - j0))[:, None] - cols[None, :]
             u = tl.where(_lag_is_visible(lag, visible[:, None]), u, 0.0)
         root = trimmed * u  # alpha m = root^2
-        acc += tl.dot((root * root).to(v.dtype), v, input_precision=PRECISION)
+        acc += tl.dot((root * root * inv_norm[None, :]).to(v.dtype), v, input_precision=PRECISION)
         cos_row, sin_row = _rotate(cos_row, sin_row, cos_step, sin_step)
     _store_rows(OUT, acc, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DOUT, DQ, DW_PART, DRHO_PART, WINDOW, RHO, DOC_START,
+    Q, K, V, INV_NORM, DOUT, DQ, DW_PART, DRHO_PART, WINDOW, RHO, DOC_START,
     T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -233,7 +255,8 @@ def _dq_kernel(
         k = _load_rows(K, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
         v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        g = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # dL / d(alpha m)
+        g = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # dL / d(alpha m), up to 1 / |v_j| per column
+        g = g * _load_inv_norms(INV_NORM, b, j0, T, H, h, BLOCK_N)[None, :]
         trimmed = tl.maximum(rho * s + (1.0 - rho), 0.0)
         u = _half_softmask(cos_row, sin_row, cos_col, sin_col)
         if not _tile_is_inside(i0, j0, span, doc_start_max, BLOCK_M, BLOCK_N):
@@ -255,7 +278,7 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DOUT, DK_OUT, DV_OUT, WINDOW, RHO, DOC_START, DOC_END,
+    Q, K, V, INV_NORM, DOUT, DK_OUT, DV_OUT, WINDOW, RHO, DOC_START, DOC_END,
     T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -275,7 +298,9 @@ def _dkdv_kernel(
     first_query = (j0 // BLOCK_M) * BLOCK_M
     last_query = tl.minimum(tl.minimum(j0 + BLOCK_N - 1 + span, T), tl.max(doc_end_j, axis=0) + 1)
     k = _load_rows(K, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
-    v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
+    inv_norm = _load_inv_norms(INV_NORM, b, j0, T, H, h, BLOCK_N)
+    unit_v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N).to(tl.float32) * inv_norm[:, None]
+    v = unit_v.to(V.dtype.element_ty)
     # tiles are (keys x queries): the key tile is fixed and query tiles move, their half angles turning by
     # +BLOCK_M * half_phase per query tile
     key_angle = keys.to(tl.float32) * half_phase
@@ -303,6 +328,10 @@ def _dkdv_kernel(
         dk += tl.dot((g * root * u).to(q.dtype), q, input_precision=PRECISION)  # dL / d(base) / 2 times q
         cos_query, sin_query = _rotate(cos_query, sin_query, cos_step, sin_step)
     _store_rows(DK_OUT, (2.0 * rho) * dk, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
+    # dv is the gradient of the unit rows v / |v|; that of the raw rows drops its radial part and divides by |v|
+    # (the clamped norm of a row below eps is constant: no radial part there, as in F.normalize's backward)
+    radial = tl.where(inv_norm < 1.0 / _NORM_EPS, tl.sum(unit_v * dv, axis=1), 0.0)
+    dv = (dv - unit_v * radial[:, None]) * inv_norm[:, None]
     _store_rows(DV_OUT, dv, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
 
 
@@ -331,22 +360,30 @@ def plan_classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
     return [(lo, _INT32_MAX if limit is None else limit, blocks) for lo, (limit, blocks) in zip(lows, plan)]
 
 
+def inverse_norms(v: Tensor) -> Tensor:
+    """1 / max(|v_j|, eps) per row of the contiguous (B, T, H, dV) values: an fp32 (B, T, H) tensor."""
+    inv_norm = torch.empty(v.shape[:-1], device=v.device, dtype=torch.float32)
+    n_rows = inv_norm.numel()
+    _inv_norm_kernel[(triton.cdiv(n_rows, _NORM_ROWS),)](v, inv_norm, n_rows, DV=v.shape[-1], ROWS=_NORM_ROWS)
+    return inv_norm
+
+
 def forward_class(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, inv_norm: Tensor, out: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
     span_lo: int, span_hi: int, blocks: Blocks,
 ) -> None:  # fmt: skip
     """One class's forward launch: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     _forward_kernel[(B * H, triton.cdiv(T, block_m))](
-        q, k, v, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
+        q, k, v, inv_norm, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
         DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
 
 
 def dq_class(
-    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dq: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    span_lo: int, span_hi: int, blocks: Blocks,
+    q: Tensor, k: Tensor, v: Tensor, inv_norm: Tensor, grad_out: Tensor, dq: Tensor, window: Tensor, rho: Tensor,
+    doc_start: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi] and returns their
     d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials."""
@@ -355,7 +392,7 @@ def dq_class(
     n_tiles = triton.cdiv(T, block_m)
     partials = torch.empty((2, H, B * n_tiles), device=q.device, dtype=torch.float32)
     _dq_kernel[(B * H, n_tiles)](
-        q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
+        q, k, v, inv_norm, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
         span_lo, span_hi,
         DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
@@ -365,26 +402,28 @@ def dq_class(
 
 
 def dkdv_class(
-    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, window: Tensor, rho: Tensor,
-    doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
+    q: Tensor, k: Tensor, v: Tensor, inv_norm: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, window: Tensor,
+    rho: Tensor, doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
 ) -> None:  # fmt: skip
-    """One class's dK/dV launch: writes `dk` and `dv` for the heads whose span lies in [span_lo, span_hi]."""
+    """One class's dK/dV launch: writes `dk` and `dv` (of the raw values) for the heads whose span lies in
+    [span_lo, span_hi]."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
-        q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v), span_lo, span_hi,
+        q, k, v, inv_norm, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v), span_lo, span_hi,
         DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
 
 
 def screening_forward(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, plan: Plan | None = None
-) -> Tensor:
-    """h (B, T, H, dV). Inputs contiguous, validated by the caller (ppt.kernels.screening)."""
-    out = torch.empty_like(v)
+) -> tuple[Tensor, Tensor]:
+    """(h (B, T, H, dV), the values' inverse norms (B, T, H) for the backward). Inputs contiguous, validated by the
+    caller (ppt.kernels.screening)."""
+    out, inv_norm = torch.empty_like(v), inverse_norms(v)
     for span_lo, span_hi, blocks in plan_classes(plan or FORWARD_PLAN):
-        forward_class(q, k, v, out, window, rho, doc_start, span_lo, span_hi, blocks)
-    return out
+        forward_class(q, k, v, inv_norm, out, window, rho, doc_start, span_lo, span_hi, blocks)
+    return out, inv_norm
 
 
 def screening_backward(
@@ -395,16 +434,18 @@ def screening_backward(
     rho: Tensor,
     doc_start: Tensor,
     doc_end: Tensor,
+    inv_norm: Tensor,
     grad_out: Tensor,
     dq_plan: Plan | None = None,
     dkdv_plan: Plan | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, d window, d rho); the per-head grads are fp32 sums of per-program partials (deterministic)."""
+    """(dq, dk, dv, d window, d rho), dv that of the raw values; inv_norm from screening_forward. The per-head grads
+    are fp32 sums of per-program partials (deterministic)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     d_window = d_rho = None
     for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
-        sums = dq_class(q, k, v, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks)
+        sums = dq_class(q, k, v, inv_norm, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks)
         d_window, d_rho = sums if d_window is None else (d_window + sums[0], d_rho + sums[1])
     for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
-        dkdv_class(q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
+        dkdv_class(q, k, v, inv_norm, grad_out, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
     return dq, dk, dv, d_window, d_rho
