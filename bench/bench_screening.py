@@ -51,7 +51,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from ppt.common import ArgumentParser, PPTError, nonneg_int, positive_float, positive_int, run_cli  # noqa: E402
 from ppt.kernels import screening_triton as kernels  # noqa: E402
-from ppt.kernels.screening import screening, screening_cost, screening_metadata, screening_reference  # noqa: E402
+from ppt.kernels.screening import (  # noqa: E402
+    gated_screening,
+    gated_screening_reference,
+    screening,
+    screening_cost,
+    screening_metadata,
+    screening_reference,
+)
 
 TOLERANCE = 2e-2  # bf16 operands: relative error of h and the gradients against float64
 
@@ -154,6 +161,7 @@ def make_case(lengths: list[list[int]], row_len: int, args: argparse.Namespace) 
     return dict(
         q=unit(B, T, H, args.dk), k=unit(B, T, H, args.dk), v=unit(B, T, H, args.dv),
         grad_out=torch.randn(B, T, H, args.dv, generator=g).to(device, dtype),
+        gate=torch.randn(B, T, H, args.dv, generator=g).to(device, dtype),
         window=model_init_windows(H).to(device), rho=torch.full((H,), args.rho, device=device),
         doc_pos=doc_pos, meta=screening_metadata(doc_pos), lengths=lengths,
     )  # fmt: skip
@@ -183,11 +191,22 @@ def bench(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = No
 @dataclass
 class Impl:
     """fwd(c) -> h; bwd(c) -> (dq, dk, dv, d window, d rho); train(c) -> (fwd+bwd as training calls it, the leaves
-    whose gradients it fills)."""
+    whose gradients it fills). dv_of_unit_values: its dv is the gradient of the unit values it was handed (the seed,
+    kernel files from before the op normalized v), which the check projects onto the raw values' gradient. gated:
+    fwd gives y and bwd (dq, dk, dv, d gate, d window, d rho)."""
 
     fwd: Callable[[dict], torch.Tensor]
     bwd: Callable[[dict], tuple]
     train: Callable[[dict], tuple[Callable[[], object], list[torch.Tensor]]]
+    dv_of_unit_values: bool = False
+    gated: bool = False
+
+
+def normalized(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit values, inverse norms) of the case's v, as our forward hands them to its backward; once per case."""
+    if "normalized" not in c:
+        c["normalized"] = kernels.normalize_values(c["v"])
+    return c["normalized"]
 
 
 def ours(plans: dict | None = None) -> Impl:
@@ -195,14 +214,14 @@ def ours(plans: dict | None = None) -> Impl:
     autograd, as the model calls it, with the module's plans set to these."""
     plans = plans or {name: getattr(kernels, constant) for name, constant in PLAN_NAMES.items()}
 
-    def fwd(c: dict) -> torch.Tensor:  # with the values' inverse norms, which the op takes in its forward
-        return kernels.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0], plans["forward"])[
-            0
-        ]
+    def fwd(c: dict) -> torch.Tensor:  # the values' normalization pass included
+        q, k, v, w, r = (c[n] for n in ("q", "k", "v", "window", "rho"))
+        return kernels.screening_forward(q, k, v, w, r, c["meta"][0], plans["forward"])[0]
 
     def bwd(c: dict) -> tuple:
-        q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
-        return kernels.screening_backward(q, k, v, w, r, *c["meta"], inverse_norms(c), g, plans["dq"], plans["dkdv"])
+        q, k, w, r, g = (c[n] for n in ("q", "k", "window", "rho", "grad_out"))
+        unit_v, inv_norm = normalized(c)
+        return kernels.screening_backward(q, k, unit_v, w, r, *c["meta"], inv_norm, g, plans["dq"], plans["dkdv"])
 
     def train(c: dict) -> tuple[Callable[[], object], list[torch.Tensor]]:
         leaves = [c[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "window", "rho")]
@@ -212,29 +231,42 @@ def ours(plans: dict | None = None) -> Impl:
     return Impl(fwd, bwd, train)
 
 
-def inverse_norms(c: dict) -> torch.Tensor:
-    """The values' inverse norms that our forward hands its backward, once per case."""
-    if "inv_norm" not in c:
-        c["inv_norm"] = kernels.inverse_norms(c["v"])
-    return c["inv_norm"]
+def gated() -> Impl:
+    """The gated op with the shipped plans (Multiscreen's TanhNorm and gate fused in), as the model calls it."""
+    inputs = lambda c: [c[n] for n in ("q", "k", "v", "gate", "window", "rho")]
+
+    def fwd(c: dict) -> torch.Tensor:
+        return kernels.gated_screening_forward(*inputs(c), c["meta"][0])[0]
+
+    def bwd(c: dict) -> tuple:
+        _, h, unit_v, inv_norm = kernels.gated_screening_forward(*inputs(c), c["meta"][0])
+        q, k, gate, w, r, g = (c[n] for n in ("q", "k", "gate", "window", "rho", "grad_out"))
+        return kernels.gated_screening_backward(q, k, unit_v, gate, w, r, *c["meta"], h, inv_norm, g)
+
+    def train(c: dict) -> tuple[Callable[[], object], list[torch.Tensor]]:
+        leaves = [x.detach().clone().requires_grad_() for x in inputs(c)]
+        return lambda: gated_screening(*leaves, c["meta"]).backward(c["grad_out"]), leaves
+
+    return Impl(fwd, bwd, train, gated=True)
 
 
 def baseline(module: types.ModuleType) -> Impl:
-    """A kernel file of another commit: screening_forward / screening_backward with its own defaults. Files before
-    the op normalized the values take them normalized (the case's are) and return h alone."""
-    takes_norms = "inv_norm" in module.screening_backward.__code__.co_varnames
-    first = lambda out: out[0] if takes_norms else out
+    """A kernel file of another commit: screening_forward / screening_backward with its own defaults. Files from
+    before the op normalized the values take them normalized (the case's are) and return h alone."""
+    normalizes = hasattr(module, "normalize_values")
 
     def fwd(c: dict) -> torch.Tensor:
-        return first(module.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0]))
+        out = module.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0])
+        return out[0] if normalizes else out
 
     def bwd(c: dict) -> tuple:
         q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
-        if takes_norms:
-            return module.screening_backward(q, k, v, w, r, *c["meta"], module.inverse_norms(v), g)
+        if normalizes:
+            unit_v, inv_norm = module.normalize_values(v)
+            return module.screening_backward(q, k, unit_v, w, r, *c["meta"], inv_norm, g)
         return module.screening_backward(q, k, v, w, r, *c["meta"], g)
 
-    return Impl(fwd, bwd, lambda c: ((lambda: (fwd(c), bwd(c))), []))
+    return Impl(fwd, bwd, lambda c: ((lambda: (fwd(c), bwd(c))), []), dv_of_unit_values=not normalizes)
 
 
 def seed_impl(seed: types.ModuleType) -> Impl:
@@ -273,7 +305,7 @@ def seed_impl(seed: types.ModuleType) -> Impl:
         leaves = [x.detach().clone().requires_grad_() for x in (s["q"], s["k"], s["v"], c["window"], c["rho"])]
         return lambda: call(s, *leaves).backward(s["grad_out"]), leaves
 
-    return Impl(fwd, bwd, train)
+    return Impl(fwd, bwd, train, dv_of_unit_values=True)
 
 
 def load_seed(folder: Path, args: argparse.Namespace) -> types.ModuleType | None:
@@ -297,21 +329,35 @@ def load_module(name: str, path: Path) -> types.ModuleType:
 # Correctness on the GPU
 
 
-def reference_case(args: argparse.Namespace) -> tuple[dict, list[torch.Tensor]]:
-    """A smaller case (2 rows of 2048 tokens, or of --row-len if shorter; mixed documents) and its float64 h and
-    gradients."""
+def reference_case(args: argparse.Namespace) -> tuple[dict, dict[bool, list[torch.Tensor]]]:
+    """A smaller case (2 rows of 2048 tokens, or of --row-len if shorter; mixed documents) and its float64 output and
+    gradients, plain (h) and gated (y, with d gate)."""
     T = min(2048, args.row_len)
     case = make_case(document_lengths("mixed", 2, T, args.seed + 1), T, args)
-    leaves = [case[n].double().requires_grad_() for n in ("q", "k", "v", "window", "rho")]
-    out = screening_reference(*leaves, case["meta"])
-    grads = torch.autograd.grad(out, leaves, case["grad_out"].double())
-    return case, [out.detach(), *grads]
+    refs = {}
+    plain, with_gate = ("q", "k", "v", "window", "rho"), ("q", "k", "v", "gate", "window", "rho")
+    for is_gated, names, fn in [(False, plain, screening_reference), (True, with_gate, gated_screening_reference)]:
+        leaves = [case[n].double().requires_grad_() for n in names]
+        out = fn(*leaves, case["meta"])
+        refs[is_gated] = [out.detach(), *torch.autograd.grad(out, leaves, case["grad_out"].double())]
+    return case, refs
 
 
-def relative_errors(impl: Impl, case: dict, refs: list[torch.Tensor]) -> dict[str, float]:
+GRADIENTS = {
+    False: ("h", "dq", "dk", "dv", "dwindow", "drho"),
+    True: ("y", "dq", "dk", "dv", "dgate", "dwindow", "drho"),
+}
+
+
+def relative_errors(impl: Impl, case: dict, refs: dict[bool, list[torch.Tensor]]) -> dict[str, float]:
     got = [impl.fwd(case), *impl.bwd(case)]
+    if impl.dv_of_unit_values:  # d unit values -> d raw values (the case's v is normalized, then rounded to bf16)
+        v = case["v"].double()
+        norm = v.norm(dim=-1, keepdim=True)
+        dv = got[3].double()
+        got[3] = (dv - v / norm * (v / norm * dv).sum(dim=-1, keepdim=True)) / norm
     errors = {}
-    for name, x, ref in zip(("h", "dq", "dk", "dv", "dwindow", "drho"), got, refs):
+    for name, x, ref in zip(GRADIENTS[impl.gated], got, refs[impl.gated]):
         err = (x.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)
         errors[name] = float(err) if torch.isfinite(x).all() else math.inf
     return errors
@@ -369,7 +415,8 @@ def minimal_bytes(kind: str, c: dict) -> int:
     B, T, H, dK = c["q"].shape
     dV = c["v"].shape[-1]
     elements = {"forward": 2 * dK + 2 * dV, "dq": 2 * dK + 2 * dV + dK, "dkdv": 2 * dK + 2 * dV + dK + dV}[kind]
-    return 2 * B * T * H * elements + 4 * B * T * H + 4 * B * T * (1 if kind != "dkdv" else 2)  # + inverse norms
+    norms = 4 * B * T * H if kind == "dkdv" else 0  # the values' inverse norms, for the raw values' gradient
+    return 2 * B * T * H * elements + norms + 4 * B * T * (1 if kind != "dkdv" else 2)
 
 
 FLOPS_PER_PAIR = {"forward": lambda dK, dV: 2 * (dK + dV), "dq": lambda dK, dV: 2 * (2 * dK + dV),
@@ -384,15 +431,15 @@ def class_launch(kind: str, c: dict, span_range: tuple[int, int], blocks: tuple)
     """One class's launch of a kernel on case c, writing into buffers of its own."""
     q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
     doc_start, doc_end = c["meta"]
-    inv_norm = inverse_norms(c)
+    unit_v, inv_norm = normalized(c)
     if kind == "forward":
         out = torch.empty_like(v)
-        return lambda: kernels.forward_class(q, k, v, inv_norm, out, w, r, doc_start, *span_range, blocks)
+        return lambda: kernels.forward_class(q, k, unit_v, out, w, r, doc_start, *span_range, blocks)
     if kind == "dq":
         dq = torch.empty_like(q)
-        return lambda: kernels.dq_class(q, k, v, inv_norm, g, dq, w, r, doc_start, *span_range, blocks)
+        return lambda: kernels.dq_class(q, k, unit_v, g, dq, w, r, doc_start, *span_range, blocks)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    return lambda: kernels.dkdv_class(q, k, v, inv_norm, g, dk, dv, w, r, doc_start, doc_end, *span_range, blocks)
+    return lambda: kernels.dkdv_class(q, k, unit_v, inv_norm, g, dk, dv, w, r, doc_start, doc_end, *span_range, blocks)
 
 
 def time_kernels(plans: dict, c: dict) -> dict[str, float]:
@@ -601,7 +648,7 @@ def main(argv: list[str] | None = None) -> None:
     shipped = {kind: getattr(kernels, name) for kind, name in PLAN_NAMES.items()}
     print(f"shipped plans: {shipped}")
 
-    impls: dict[str, Impl] = {"ours": ours()}
+    impls: dict[str, Impl] = {"ours": ours(), "ours gated": gated()}
     if args.baseline:
         impls[f"baseline {args.baseline.stem}"] = baseline(load_module("baseline_screening_triton", args.baseline))
     if seed:

@@ -1,13 +1,12 @@
 """Triton kernels of the screening op (math in ppt/kernels/screening.py's docstring).
 
-Three kernels, one program per (batch row, head, tile), no atomics, and a pass that takes each value row's inverse
-norm 1 / |v_j| (the op normalizes v itself):
-  forward : per query tile, loop over the key tiles its window and document reach; 1 / |v_j| scales column j of the
-            weights, so the values are read as they are
+A pass that normalizes the values (the op takes them raw: unit rows for the kernels, 1 / |v_j| for the backward),
+then three kernels, one program per (batch row, head, tile), no atomics:
+  forward : per query tile, loop over the key tiles its window and document reach
   dQ      : same loop; also writes per-program partial sums of d window and d rho (reduced by torch afterwards)
   dK/dV   : per key tile, loop over the query tiles whose window and document reach it; its tiles are (keys x
             queries), so the products it feeds back into dK and dV need no transpose. It returns the gradient of
-            the raw values: the normalization's backward is its epilogue
+            the raw values: the normalization's backward is its epilogue, with no pass of its own
 Loop bounds come from the window and the document metadata inside the kernel, so no host sync and no wasted tiles
 outside [max(doc start, i0 - ceil(w) + 1), i1]; tiles wholly inside window and document skip the mask.
 
@@ -20,6 +19,11 @@ Each kernel runs as a plan of window classes: one launch per class, each with it
 a program whose head's span ceil(min(w, T)) lies outside its class returns at once. Short windows want small tiles
 (they would mostly compute masked-out pairs), long ones large tiles (fewer reloads of the keys from L2), and no
 window value ever reaches the host. The default plans have one class.
+
+Gated (GATED, Multiscreen's unit): the forward's epilogue also writes y = TanhNorm(h) * tanh(SiLU(gate)) from its
+fp32 h, and the dQ pass starts by turning dL/dy into dL/dh (written for the dK/dV pass) and dL/d gate. The
+elementwise work rides in the screening passes, which are latency-bound, instead of two passes of its own over
+four (B, T, H, dV) tensors.
 
 Operands go to tensor cores in the input dtype (bf16/fp16) with fp32 accumulation; fp32 inputs use IEEE dots.
 """
@@ -47,7 +51,8 @@ DKDV_PLAN: Plan = ((None, (16, 32, 1, 3)),)
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _NORM_EPS = tl.constexpr(1e-12)  # v_j / max(|v_j|, eps): F.normalize's default, as the plain-torch paths
-_NORM_ROWS = 64  # value rows per program of the inverse-norm pass
+_NORM_ROWS = 64  # value rows per program of the normalization pass
+_TANH_NORM_EPS = tl.constexpr(1e-8)  # TanhNorm's norm clamp, as the plain-torch path
 _HALF_PI = tl.constexpr(1.5707963267948966)
 
 
@@ -142,19 +147,49 @@ def _store_rows(PTR, x, b, start, T, stride_b, stride_t, col_offset, D: tl.const
 
 
 @triton.jit
-def _load_inv_norms(INV_NORM, b, j0, T, H, h, BLOCK_N: tl.constexpr):
-    """1 / |v_j| of key rows [j0, j0 + BLOCK_N) of head h from the (B, T, H) fp32 inverse norms, 0 past the row."""
-    offs_j = j0 + tl.arange(0, BLOCK_N)
-    return tl.load(INV_NORM + (b * T + offs_j) * H + h, mask=offs_j < T, other=0.0)
+def _normalize_kernel(V, UNIT_V, INV_NORM, n_rows, DV: tl.constexpr, ROWS: tl.constexpr):
+    """v / max(|v|, eps) and 1 / max(|v|, eps) of ROWS rows of the contiguous (rows, DV) values."""
+    offs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ptrs = offs[:, None] * DV + tl.arange(0, DV)[None, :]
+    v = tl.load(V + ptrs, mask=(offs < n_rows)[:, None], other=0.0).to(tl.float32)
+    inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(v * v, axis=1)), _NORM_EPS)
+    tl.store(UNIT_V + ptrs, (v * inv_norm[:, None]).to(UNIT_V.dtype.element_ty), mask=(offs < n_rows)[:, None])
+    tl.store(INV_NORM + offs, inv_norm, mask=offs < n_rows)
 
 
 @triton.jit
-def _inv_norm_kernel(V, INV_NORM, n_rows, DV: tl.constexpr, ROWS: tl.constexpr):
-    """1 / max(|v|, eps) of ROWS rows of the contiguous (rows, DV) values."""
-    offs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    v = tl.load(V + offs[:, None] * DV + tl.arange(0, DV)[None, :], mask=(offs < n_rows)[:, None], other=0.0)
-    norm = tl.sqrt(tl.sum(v.to(tl.float32) * v.to(tl.float32), axis=1))
-    tl.store(INV_NORM + offs, 1.0 / tl.maximum(norm, _NORM_EPS), mask=offs < n_rows)
+def _tanh(x):
+    """tanh of fp32 x: an odd Taylor polynomial below 1/8 (where 1 - 2 / (e^{2x} + 1) would cancel), else exp."""
+    ax = tl.abs(x)
+    x2 = ax * ax
+    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    large = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
+    return tl.where(x < 0, -1.0, 1.0) * tl.where(ax < 0.125, small, large)
+
+
+@triton.jit
+def _gated_tanh_norm(h, gate):
+    """y = TanhNorm(h) * tanh(SiLU(gate)) over (rows, dV) fp32 tiles, TanhNorm(h) = h tanh(|h|) / |h| per row."""
+    norm = tl.maximum(tl.sqrt(tl.sum(h * h, axis=1)), _TANH_NORM_EPS)
+    return h * (_tanh(norm) / norm)[:, None] * _tanh(gate * tl.sigmoid(gate))
+
+
+@triton.jit
+def _gated_tanh_norm_backward(h, gate, dy):
+    """(dL/dh, dL/d gate) of y = _gated_tanh_norm(h, gate) from dL/dy, fp32 tiles. With n = max(|h|, eps) and
+    a = tanh(n) / n: dh = a z + [|h| >= eps] (da/dn) (h . z) / n h, z = dy tanh(SiLU(gate))."""
+    raw_norm = tl.sqrt(tl.sum(h * h, axis=1))
+    norm = tl.maximum(raw_norm, _TANH_NORM_EPS)
+    t = _tanh(norm)
+    scale = t / norm
+    sig = tl.sigmoid(gate)
+    gamma = _tanh(gate * sig)
+    z = dy * gamma
+    d_scale = (1.0 - t * t) / norm - t / (norm * norm)
+    radial = tl.where(raw_norm >= _TANH_NORM_EPS, d_scale * tl.sum(h * z, axis=1) / norm, 0.0)
+    dh = scale[:, None] * z + radial[:, None] * h
+    d_gate = dy * scale[:, None] * h * (1.0 - gamma * gamma) * sig * (1.0 + gate * (1.0 - sig))
+    return dh, d_gate
 
 
 @triton.jit
@@ -178,9 +213,10 @@ def _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M: tl.constexpr, BLOCK_N:
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, INV_NORM, OUT, WINDOW, RHO, DOC_START,
+    Q, K, V, OUT, GATE, Y, WINDOW, RHO, DOC_START,
     T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    GATED: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     i0 = tl.program_id(1) * BLOCK_M
@@ -205,7 +241,6 @@ def _forward_kernel(
     for j0 in range(first_key, last_key, BLOCK_N):
         k = _load_rows(K, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
         v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
-        inv_norm = _load_inv_norms(INV_NORM, b, j0, T, H, h, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         trimmed = tl.maximum(rho * s + (1.0 - rho), 0.0)
         u = _half_softmask(cos_row, sin_row, cos_col, sin_col)
@@ -213,16 +248,20 @@ def _forward_kernel(
             lag = (rows + (i0 - j0))[:, None] - cols[None, :]
             u = tl.where(_lag_is_visible(lag, visible[:, None]), u, 0.0)
         root = trimmed * u  # alpha m = root^2
-        acc += tl.dot((root * root * inv_norm[None, :]).to(v.dtype), v, input_precision=PRECISION)
+        acc += tl.dot((root * root).to(v.dtype), v, input_precision=PRECISION)
         cos_row, sin_row = _rotate(cos_row, sin_row, cos_step, sin_step)
     _store_rows(OUT, acc, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
+    if GATED:
+        gate = _load_rows(GATE, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M).to(tl.float32)
+        _store_rows(Y, _gated_tanh_norm(acc, gate), b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, INV_NORM, DOUT, DQ, DW_PART, DRHO_PART, WINDOW, RHO, DOC_START,
+    Q, K, V, DOUT, DQ, DW_PART, DRHO_PART, WINDOW, RHO, DOC_START, H_OUT, GATE, DH, DGATE,
     T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    GATED: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     tile = tl.program_id(1)
@@ -241,6 +280,13 @@ def _dq_kernel(
     visible, doc_start_max, first_key, last_key = _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M, BLOCK_N)
     q = _load_rows(Q, b, i0, T, stride_b, stride_t, h * DK, DK, BLOCK_M)
     dout = _load_rows(DOUT, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
+    if GATED:  # DOUT holds dL/dy: dL/dh for this tile (and for the dK/dV pass, through DH) and dL/d gate
+        h_out = _load_rows(H_OUT, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M).to(tl.float32)
+        gate = _load_rows(GATE, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M).to(tl.float32)
+        d_h, d_gate = _gated_tanh_norm_backward(h_out, gate, dout.to(tl.float32))
+        _store_rows(DGATE, d_gate, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
+        dout = d_h.to(DH.dtype.element_ty)
+        _store_rows(DH, dout, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     row_pos = (rows + (i0 - first_key)).to(tl.float32)
     sin_row, cos_row = _sincos(row_pos * half_phase)
@@ -255,8 +301,7 @@ def _dq_kernel(
         k = _load_rows(K, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
         v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        g = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # dL / d(alpha m), up to 1 / |v_j| per column
-        g = g * _load_inv_norms(INV_NORM, b, j0, T, H, h, BLOCK_N)[None, :]
+        g = tl.dot(dout, tl.trans(v), input_precision=PRECISION)  # dL / d(alpha m)
         trimmed = tl.maximum(rho * s + (1.0 - rho), 0.0)
         u = _half_softmask(cos_row, sin_row, cos_col, sin_col)
         if not _tile_is_inside(i0, j0, span, doc_start_max, BLOCK_M, BLOCK_N):
@@ -298,9 +343,7 @@ def _dkdv_kernel(
     first_query = (j0 // BLOCK_M) * BLOCK_M
     last_query = tl.minimum(tl.minimum(j0 + BLOCK_N - 1 + span, T), tl.max(doc_end_j, axis=0) + 1)
     k = _load_rows(K, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
-    inv_norm = _load_inv_norms(INV_NORM, b, j0, T, H, h, BLOCK_N)
-    unit_v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N).to(tl.float32) * inv_norm[:, None]
-    v = unit_v.to(V.dtype.element_ty)
+    v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)  # the unit values
     # tiles are (keys x queries): the key tile is fixed and query tiles move, their half angles turning by
     # +BLOCK_M * half_phase per query tile
     key_angle = keys.to(tl.float32) * half_phase
@@ -330,6 +373,9 @@ def _dkdv_kernel(
     _store_rows(DK_OUT, (2.0 * rho) * dk, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
     # dv is the gradient of the unit rows v / |v|; that of the raw rows drops its radial part and divides by |v|
     # (the clamped norm of a row below eps is constant: no radial part there, as in F.normalize's backward)
+    offs_j = j0 + keys
+    inv_norm = tl.load(INV_NORM + (b * T + offs_j) * H + h, mask=offs_j < T, other=0.0)
+    unit_v = v.to(tl.float32)
     radial = tl.where(inv_norm < 1.0 / _NORM_EPS, tl.sum(unit_v * dv, axis=1), 0.0)
     dv = (dv - unit_v * radial[:, None]) * inv_norm[:, None]
     _store_rows(DV_OUT, dv, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
@@ -360,41 +406,48 @@ def plan_classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
     return [(lo, _INT32_MAX if limit is None else limit, blocks) for lo, (limit, blocks) in zip(lows, plan)]
 
 
-def inverse_norms(v: Tensor) -> Tensor:
-    """1 / max(|v_j|, eps) per row of the contiguous (B, T, H, dV) values: an fp32 (B, T, H) tensor."""
-    inv_norm = torch.empty(v.shape[:-1], device=v.device, dtype=torch.float32)
+def normalize_values(v: Tensor) -> tuple[Tensor, Tensor]:
+    """(v / max(|v_j|, eps) in v's dtype, 1 / max(|v_j|, eps) as fp32 (B, T, H)) of the contiguous (B, T, H, dV) v."""
+    unit_v, inv_norm = torch.empty_like(v), torch.empty(v.shape[:-1], device=v.device, dtype=torch.float32)
     n_rows = inv_norm.numel()
-    _inv_norm_kernel[(triton.cdiv(n_rows, _NORM_ROWS),)](v, inv_norm, n_rows, DV=v.shape[-1], ROWS=_NORM_ROWS)
-    return inv_norm
+    _normalize_kernel[(triton.cdiv(n_rows, _NORM_ROWS),)](v, unit_v, inv_norm, n_rows, DV=v.shape[-1], ROWS=_NORM_ROWS)
+    return unit_v, inv_norm
 
 
 def forward_class(
-    q: Tensor, k: Tensor, v: Tensor, inv_norm: Tensor, out: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    span_lo: int, span_hi: int, blocks: Blocks,
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
+    span_lo: int, span_hi: int, blocks: Blocks, gate: Tensor | None = None, y: Tensor | None = None,
 ) -> None:  # fmt: skip
-    """One class's forward launch: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
+    """One class's forward launch on unit values v: writes `out` (h) for the heads whose span lies in
+    [span_lo, span_hi], and `y` from `gate` when given (gated)."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
+    gated = gate is not None
     _forward_kernel[(B * H, triton.cdiv(T, block_m))](
-        q, k, v, inv_norm, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
+        q, k, v, out, gate if gated else out, y if gated else out, window, rho, doc_start,
+        *_shape_args(q, v), span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), GATED=gated,
+        **_launch_options(blocks),
     )  # fmt: skip
 
 
 def dq_class(
-    q: Tensor, k: Tensor, v: Tensor, inv_norm: Tensor, grad_out: Tensor, dq: Tensor, window: Tensor, rho: Tensor,
-    doc_start: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dq: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
+    span_lo: int, span_hi: int, blocks: Blocks,
+    gated: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi] and returns their
-    d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials."""
+    d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials. Gated, grad_out
+    is dL/dy and gated = (h, gate, dh, d gate): the launch writes dh (for the dK/dV pass) and d gate."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     n_tiles = triton.cdiv(T, block_m)
     partials = torch.empty((2, H, B * n_tiles), device=q.device, dtype=torch.float32)
     _dq_kernel[(B * H, n_tiles)](
-        q, k, v, inv_norm, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
-        span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
+        q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start,
+        *(gated or (grad_out,) * 4), *_shape_args(q, v), span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), GATED=gated is not None,
+        **_launch_options(blocks),
     )  # fmt: skip
     # sums over each head's contiguous row of partials (a strided (B, H, tiles) sum took 25 us each on an H200);
     # two sums, not one: the op's outputs must not alias each other
@@ -405,8 +458,8 @@ def dkdv_class(
     q: Tensor, k: Tensor, v: Tensor, inv_norm: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, window: Tensor,
     rho: Tensor, doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
 ) -> None:  # fmt: skip
-    """One class's dK/dV launch: writes `dk` and `dv` (of the raw values) for the heads whose span lies in
-    [span_lo, span_hi]."""
+    """One class's dK/dV launch on unit values v: writes `dk` and `dv` (of the raw values, whose inverse norms
+    inv_norm are) for the heads whose span lies in [span_lo, span_hi]; grad_out is dL/dh."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
@@ -418,34 +471,60 @@ def dkdv_class(
 def screening_forward(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, plan: Plan | None = None
 ) -> tuple[Tensor, Tensor]:
-    """(h (B, T, H, dV), the values' inverse norms (B, T, H) for the backward). Inputs contiguous, validated by the
-    caller (ppt.kernels.screening)."""
-    out, inv_norm = torch.empty_like(v), inverse_norms(v)
+    """(h (B, T, H, dV), and for the backward the unit values and their inverse norms, from normalize_values) of the
+    raw values v. Inputs contiguous, validated by the caller (ppt.kernels.screening)."""
+    (unit_v, inv_norm), out = normalize_values(v), torch.empty_like(v)
     for span_lo, span_hi, blocks in plan_classes(plan or FORWARD_PLAN):
-        forward_class(q, k, v, inv_norm, out, window, rho, doc_start, span_lo, span_hi, blocks)
-    return out, inv_norm
+        forward_class(q, k, unit_v, out, window, rho, doc_start, span_lo, span_hi, blocks)
+    return out, unit_v, inv_norm
 
 
-def screening_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    window: Tensor,
-    rho: Tensor,
-    doc_start: Tensor,
-    doc_end: Tensor,
-    inv_norm: Tensor,
-    grad_out: Tensor,
-    dq_plan: Plan | None = None,
-    dkdv_plan: Plan | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, d window, d rho), dv that of the raw values; inv_norm from screening_forward. The per-head grads
-    are fp32 sums of per-program partials (deterministic)."""
+def gated_screening_forward(
+    q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
+    plan: Plan | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(y = TanhNorm(h) * tanh(SiLU(gate)), then h, the unit values and their inverse norms for the backward); gate
+    (B, T, H, dV) like v."""
+    (unit_v, inv_norm), out, y = normalize_values(v), torch.empty_like(v), torch.empty_like(v)
+    for span_lo, span_hi, blocks in plan_classes(plan or FORWARD_PLAN):
+        forward_class(q, k, unit_v, out, window, rho, doc_start, span_lo, span_hi, blocks, gate, y)
+    return y, out, unit_v, inv_norm
+
+
+def _backward(
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
+    inv_norm: Tensor, grad_out: Tensor, dq_plan: Plan | None, dkdv_plan: Plan | None,
+    gated: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     d_window = d_rho = None
     for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
-        sums = dq_class(q, k, v, inv_norm, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks)
+        sums = dq_class(q, k, v, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks, gated)
         d_window, d_rho = sums if d_window is None else (d_window + sums[0], d_rho + sums[1])
+    grad_h = grad_out if gated is None else gated[2]  # gated: the dQ pass wrote dL/dh
     for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
-        dkdv_class(q, k, v, inv_norm, grad_out, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
+        dkdv_class(q, k, v, inv_norm, grad_h, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
     return dq, dk, dv, d_window, d_rho
+
+
+def screening_backward(
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
+    inv_norm: Tensor, grad_out: Tensor, dq_plan: Plan | None = None, dkdv_plan: Plan | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv, d window, d rho) with v the unit values and inv_norm from screening_forward; dv is that of the
+    raw values. The per-head grads are fp32 sums of per-program partials (deterministic)."""
+    return _backward(q, k, v, window, rho, doc_start, doc_end, inv_norm, grad_out, dq_plan, dkdv_plan)
+
+
+def gated_screening_backward(
+    q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
+    h: Tensor, inv_norm: Tensor, grad_y: Tensor, dq_plan: Plan | None = None, dkdv_plan: Plan | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv, d gate, d window, d rho) from dL/dy; h, the unit values v and inv_norm from
+    gated_screening_forward."""
+    d_gate, grad_h = torch.empty_like(gate), torch.empty_like(h)
+    gated = (h, gate, grad_h, d_gate)
+    dq, dk, dv, d_window, d_rho = _backward(
+        q, k, v, window, rho, doc_start, doc_end, inv_norm, grad_y, dq_plan, dkdv_plan, gated
+    )
+    return dq, dk, dv, d_gate, d_window, d_rho
