@@ -51,14 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from ppt.common import ArgumentParser, PPTError, nonneg_int, positive_float, positive_int, run_cli  # noqa: E402
 from ppt.kernels import screening_triton as kernels  # noqa: E402
-from ppt.kernels.screening import (  # noqa: E402
-    gated_screening,
-    gated_screening_reference,
-    screening,
-    screening_cost,
-    screening_metadata,
-    screening_reference,
-)
+from ppt.kernels.screening import screening, screening_cost, screening_metadata, screening_reference  # noqa: E402
 
 TOLERANCE = 2e-2  # bf16 operands: relative error of h and the gradients against float64
 
@@ -161,7 +154,6 @@ def make_case(lengths: list[list[int]], row_len: int, args: argparse.Namespace) 
     return dict(
         q=unit(B, T, H, args.dk), k=unit(B, T, H, args.dk), v=unit(B, T, H, args.dv),
         grad_out=torch.randn(B, T, H, args.dv, generator=g).to(device, dtype),
-        gate=torch.randn(B, T, H, args.dv, generator=g).to(device, dtype),
         window=model_init_windows(H).to(device), rho=torch.full((H,), args.rho, device=device),
         doc_pos=doc_pos, meta=screening_metadata(doc_pos), lengths=lengths,
     )  # fmt: skip
@@ -192,14 +184,12 @@ def bench(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = No
 class Impl:
     """fwd(c) -> h; bwd(c) -> (dq, dk, dv, d window, d rho); train(c) -> (fwd+bwd as training calls it, the leaves
     whose gradients it fills). dv_of_unit_values: its dv is the gradient of the unit values it was handed (the seed,
-    kernel files from before the op normalized v), which the check projects onto the raw values' gradient. gated:
-    fwd gives y and bwd (dq, dk, dv, d gate, d window, d rho)."""
+    kernel files from before the op normalized v), which the check projects onto the raw values' gradient."""
 
     fwd: Callable[[dict], torch.Tensor]
     bwd: Callable[[dict], tuple]
     train: Callable[[dict], tuple[Callable[[], object], list[torch.Tensor]]]
     dv_of_unit_values: bool = False
-    gated: bool = False
 
 
 def normalized(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,25 +219,6 @@ def ours(plans: dict | None = None) -> Impl:
         return lambda: with_plans(plans, step), leaves
 
     return Impl(fwd, bwd, train)
-
-
-def gated() -> Impl:
-    """The gated op with the shipped plans (Multiscreen's TanhNorm and gate fused in), as the model calls it."""
-    inputs = lambda c: [c[n] for n in ("q", "k", "v", "gate", "window", "rho")]
-
-    def fwd(c: dict) -> torch.Tensor:
-        return kernels.gated_screening_forward(*inputs(c), c["meta"][0])[0]
-
-    def bwd(c: dict) -> tuple:
-        _, h, unit_v, inv_norm = kernels.gated_screening_forward(*inputs(c), c["meta"][0])
-        q, k, gate, w, r, g = (c[n] for n in ("q", "k", "gate", "window", "rho", "grad_out"))
-        return kernels.gated_screening_backward(q, k, unit_v, gate, w, r, *c["meta"], h, inv_norm, g)
-
-    def train(c: dict) -> tuple[Callable[[], object], list[torch.Tensor]]:
-        leaves = [x.detach().clone().requires_grad_() for x in inputs(c)]
-        return lambda: gated_screening(*leaves, c["meta"]).backward(c["grad_out"]), leaves
-
-    return Impl(fwd, bwd, train, gated=True)
 
 
 def baseline(module: types.ModuleType) -> Impl:
@@ -329,27 +300,18 @@ def load_module(name: str, path: Path) -> types.ModuleType:
 # Correctness on the GPU
 
 
-def reference_case(args: argparse.Namespace) -> tuple[dict, dict[bool, list[torch.Tensor]]]:
-    """A smaller case (2 rows of 2048 tokens, or of --row-len if shorter; mixed documents) and its float64 output and
-    gradients, plain (h) and gated (y, with d gate)."""
+def reference_case(args: argparse.Namespace) -> tuple[dict, list[torch.Tensor]]:
+    """A smaller case (2 rows of 2048 tokens, or of --row-len if shorter; mixed documents) and its float64 h and
+    gradients."""
     T = min(2048, args.row_len)
     case = make_case(document_lengths("mixed", 2, T, args.seed + 1), T, args)
-    refs = {}
-    plain, with_gate = ("q", "k", "v", "window", "rho"), ("q", "k", "v", "gate", "window", "rho")
-    for is_gated, names, fn in [(False, plain, screening_reference), (True, with_gate, gated_screening_reference)]:
-        leaves = [case[n].double().requires_grad_() for n in names]
-        out = fn(*leaves, case["meta"])
-        refs[is_gated] = [out.detach(), *torch.autograd.grad(out, leaves, case["grad_out"].double())]
-    return case, refs
+    leaves = [case[n].double().requires_grad_() for n in ("q", "k", "v", "window", "rho")]
+    out = screening_reference(*leaves, case["meta"])
+    grads = torch.autograd.grad(out, leaves, case["grad_out"].double())
+    return case, [out.detach(), *grads]
 
 
-GRADIENTS = {
-    False: ("h", "dq", "dk", "dv", "dwindow", "drho"),
-    True: ("y", "dq", "dk", "dv", "dgate", "dwindow", "drho"),
-}
-
-
-def relative_errors(impl: Impl, case: dict, refs: dict[bool, list[torch.Tensor]]) -> dict[str, float]:
+def relative_errors(impl: Impl, case: dict, refs: list[torch.Tensor]) -> dict[str, float]:
     got = [impl.fwd(case), *impl.bwd(case)]
     if impl.dv_of_unit_values:  # d unit values -> d raw values (the case's v is normalized, then rounded to bf16)
         v = case["v"].double()
@@ -357,7 +319,7 @@ def relative_errors(impl: Impl, case: dict, refs: dict[bool, list[torch.Tensor]]
         dv = got[3].double()
         got[3] = (dv - v / norm * (v / norm * dv).sum(dim=-1, keepdim=True)) / norm
     errors = {}
-    for name, x, ref in zip(GRADIENTS[impl.gated], got, refs[impl.gated]):
+    for name, x, ref in zip(("h", "dq", "dk", "dv", "dwindow", "drho"), got, refs):
         err = (x.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)
         errors[name] = float(err) if torch.isfinite(x).all() else math.inf
     return errors
@@ -648,7 +610,7 @@ def main(argv: list[str] | None = None) -> None:
     shipped = {kind: getattr(kernels, name) for kind, name in PLAN_NAMES.items()}
     print(f"shipped plans: {shipped}")
 
-    impls: dict[str, Impl] = {"ours": ours(), "ours gated": gated()}
+    impls: dict[str, Impl] = {"ours": ours()}
     if args.baseline:
         impls[f"baseline {args.baseline.stem}"] = baseline(load_module("baseline_screening_triton", args.baseline))
     if seed:

@@ -9,7 +9,7 @@ launch at the benchmark shape gets (16-byte aligned pointers, sizes and strides 
 with the cuobjdump that ships with Triton. "loop" counts the instructions of the kernel's loop over tiles (interior
 and boundary paths together); warps/SM is the occupancy the registers and shared memory allow. The kernels are
 latency-bound at small tiles, so registers (through warps/SM) and loop instructions are the numbers to read; spills
-show as LDL/STL in the loop's mix. The kernels are compiled gated, as the model calls them.
+show as LDL/STL in the loop's mix.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"forward": "_forward_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
 PLANS = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
-POINTERS = {"Q", "K", "V", "OUT", "DOUT", "DQ", "DK_OUT", "DV_OUT", "DW_PART", "DRHO_PART", "GATE", "Y", "H_OUT", "DH",
-            "DGATE"}  # fmt: skip
+POINTERS = {"Q", "K", "V", "OUT", "DOUT", "DQ", "DK_OUT", "DV_OUT", "DW_PART", "DRHO_PART"}
 POINTER_TYPES = {"WINDOW": "*fp32", "RHO": "*fp32", "INV_NORM": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32",
                  "DW_PART": "*fp32", "DRHO_PART": "*fp32"}  # fmt: skip
 ALIGNED = {"T", "H", "stride_b", "stride_t", "stride_vb", "stride_vt"}  # multiples of 16 at the benchmark shape
@@ -44,8 +43,7 @@ def compile_kernel(fn: object, blocks: tuple[int, ...], dk: int, dv: int, arch: 
     """fn compiled for sm_<arch> with bf16 operands and (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])."""
     block_m, block_n, warps, stages, *maxnreg = blocks
     names = fn.arg_names
-    # GATED as the model calls the kernels (Multiscreen's TanhNorm and gate fused in)
-    constants = {"DK": dk, "DV": dv, "BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": "tf32", "GATED": True}
+    constants = {"DK": dk, "DV": dv, "BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": "tf32"}
     types_ = {
         n: "constexpr" if n in constants else POINTER_TYPES.get(n, "*bf16" if n in POINTERS else "i32") for n in names
     }

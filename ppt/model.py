@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ppt.common import PPTError
 from ppt.kernels.attention import attention, document_mask
 from ppt.kernels.cross_entropy import linear_cross_entropy
-from ppt.kernels.screening import KERNEL_HEAD_DIMS, gated_screening, screening_metadata
+from ppt.kernels.screening import KERNEL_HEAD_DIMS, screening, screening_metadata
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Vanilla Llama / SmolLM decoder
@@ -270,6 +270,12 @@ class MultiscreenConfig:
         return self.psi**2
 
 
+def tanh_norm(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Rescale x to norm tanh(|x|): keeps direction, bounds the norm below 1, near identity for small x."""
+    norm = x.norm(dim=-1, keepdim=True).clamp_min(eps)
+    return x * (torch.tanh(norm) / norm)
+
+
 def mipe(z: torch.Tensor, window: torch.Tensor, positions: torch.Tensor, window_threshold: float) -> torch.Tensor:
     """Minimal positional encoding: rotate coordinates (0, 1) of each head by phi = pi * pos * gamma(w) / w.
 
@@ -338,15 +344,15 @@ class MultiscreenBlock(nn.Module):
         window = self.window()
         rho = 1 + torch.exp(-self.s_r.float())  # 1 / r with r = sigmoid(s_r): the trim multiplier
         q, k = (unit_rows(project_heads(x, w)) for w in (self.w_q, self.w_k))
-        v = project_heads(x, self.w_v)  # screening normalizes the values itself, inside its kernels
+        v = project_heads(x, self.w_v)  # screening normalizes the values itself (its backward folded into the kernels)
         q = mipe(q, window, positions, self.config.window_threshold).to(v.dtype)
         k = mipe(k, window, positions, self.config.window_threshold).to(v.dtype)
-        # TanhNorm(sum of alpha * m * v / |v|) * tanh(SiLU(x W_G)), (B, T, H, dV): the elementwise part in the kernels
-        y = gated_screening(q, k, v, project_heads(x, self.w_g), window, rho, meta)
+        h = screening(q, k, v, window, rho, meta)  # (B, T, H, dV): sum of alpha * m * v / |v|
+        gate = torch.tanh(F.silu(project_heads(x, self.w_g)))
         # the per-head output scale e^{s_o} multiplies the small per-head w_o rather than the (B, T, H, dV)
         # activations: the same product, and its gradient is a reduction over w_o, not over every token
         w_o = self.w_o * self.s_o.exp()[:, None, None]
-        return x + torch.einsum("bthv,hdv->btd", y, w_o)  # residual plus the sum over heads
+        return x + torch.einsum("bthv,hdv->btd", tanh_norm(h) * gate, w_o)  # residual plus the sum over heads
 
 
 class MultiscreenLM(nn.Module):

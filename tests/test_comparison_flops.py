@@ -250,7 +250,7 @@ def test_an_interrupted_multiscreen_run_counts_exactly_what_the_whole_run_counts
     assert step_rows(parts) == step_rows(whole)
     increments = np.diff([0] + [flops for _, flops, _ in step_rows(whole)])
     first = json.loads((whole / "whole.json").read_text())["comparison_flops_rule"]
-    assert first["traced_at_step"] == 0 and first["mixers"][0]["op"] == "gated_screening"
+    assert first["traced_at_step"] == 0 and first["mixers"][0]["op"] == "screening"
     from ppt import checkpoint as ckpt
 
     final = ckpt.load_checkpoint(ckpt.latest_checkpoint(whole))["comparison"]

@@ -14,17 +14,11 @@ normalization and the op.
 
 `w_h = inf` makes head h see its whole document prefix with m = 1. Gradients flow to q, k, v, window and rho.
 
-Gated (Multiscreen's unit up to its output projection): y_i = TanhNorm(h_i) * tanh(SiLU(gate_i)), TanhNorm(h) =
-h tanh(|h|) / |h| (|h| clamped below at 1e-8) per head; gradients flow to gate too. The kernels fuse it: the
-forward writes y from its fp32 h, the backward's dQ pass turns dL/dy into dL/dh and dL/d gate.
-
 Public API:
     meta = screening_metadata(doc_pos)                     once per batch, shared by every layer; no host sync
     h = screening(q, k, v, window, rho, meta)              the custom op `ppt::screening` (Triton on CUDA,
                                                            the plain-torch path on CPU); autograd + torch.compile
-    y = gated_screening(q, k, v, gate, window, rho, meta)  the custom op `ppt::gated_screening`, likewise
     h = screening_reference(q, k, v, window, rho, meta)    plain PyTorch, autograd through torch ops, float64-capable
-    y = gated_screening_reference(q, k, v, gate, window, rho, meta)
     screening_cost(B, T, H, dK, dV, window, meta, dtype)   {"pairs", "fwd_flops", "bwd_flops", "fwd_bytes", ...}
     COST_FORMULAS / FLOP_FORMULAS                          {op packet: formula(*op_args, **kw)} for the forward and
                                                            backward ops; FlopCounterMode(custom_mapping=FLOP_FORMULAS)
@@ -50,7 +44,6 @@ from torch import Tensor
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 NORM_EPS = 1e-12  # v_j / max(|v_j|, eps), F.normalize's default (the kernels' _NORM_EPS)
-TANH_NORM_EPS = 1e-8  # TanhNorm's clamp of |h| (the kernels' _TANH_NORM_EPS)
 _QUERY_CHUNK = 256  # the plain-torch paths materialize (B, H, chunk, T) scores, not (B, H, T, T)
 
 
@@ -111,14 +104,6 @@ def _check_inputs(
     devices = {t.device for t in (q, k, v, window, rho, doc_start, doc_end)}
     if len(devices) != 1:
         raise ValueError(f"screening inputs must all live on one device, got {sorted(str(d) for d in devices)}")
-
-
-def _check_gate(gate: Tensor, v: Tensor):
-    if gate.shape != v.shape or gate.dtype != v.dtype or gate.device != v.device:
-        raise ValueError(
-            f"gate must match v (B, T, H, dV) in shape, dtype and device, got gate {tuple(gate.shape)} {gate.dtype} "
-            f"{gate.device} and v {tuple(v.shape)} {v.dtype} {v.device}"
-        )
 
 
 def _check_kernel_inputs(q: Tensor, v: Tensor):
@@ -190,46 +175,6 @@ def screening_reference(
     return torch.cat(chunks, dim=1).to(v.dtype)
 
 
-def tanh_norm(x: Tensor) -> Tensor:
-    """Rescale x's rows to norm tanh(|x|): keeps direction, bounds the norm below 1, near identity for small x."""
-    norm = x.norm(dim=-1, keepdim=True).clamp_min(TANH_NORM_EPS)
-    return x * (torch.tanh(norm) / norm)
-
-
-def _gate(h: Tensor, gate: Tensor) -> Tensor:
-    return tanh_norm(h) * torch.tanh(torch.nn.functional.silu(gate))
-
-
-def gated_screening_reference(
-    q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, meta: tuple[Tensor, Tensor]
-) -> Tensor:
-    """Plain-PyTorch gated screening: TanhNorm(screening_reference(...)) * tanh(SiLU(gate)), in the reference's
-    compute dtype; returns v's dtype."""
-    _check_gate(gate, v)
-    dtype = _compute_dtype(q)
-    h = screening_reference(q.to(dtype), k.to(dtype), v.to(dtype), window, rho, meta)
-    return _gate(h, gate.to(dtype)).to(v.dtype)
-
-
-def _gate_backward_torch(h: Tensor, gate: Tensor, grad_y: Tensor) -> tuple[Tensor, Tensor]:
-    """(dL/dh, dL/d gate) of _gate in the compute dtype (the kernels' formulas; custom-op bodies run without
-    autograd). With n = max(|h|, eps), a = tanh(n) / n and z = dL/dy tanh(SiLU(gate)): dh = a z + (da/dn) (h . z)
-    / n h where |h| >= eps (the clamped norm is constant below), d gate = dL/dy a h tanh'(SiLU(gate)) SiLU'(gate)."""
-    dtype = _compute_dtype(h)
-    h, gate, grad_y = (t.to(dtype) for t in (h, gate, grad_y))
-    raw_norm = h.norm(dim=-1, keepdim=True)
-    norm = raw_norm.clamp_min(TANH_NORM_EPS)
-    t = torch.tanh(norm)
-    scale = t / norm
-    sig = torch.sigmoid(gate)
-    gamma = torch.tanh(gate * sig)
-    z = grad_y * gamma
-    d_scale = (1 - t * t) / norm - t / (norm * norm)
-    radial = torch.where(raw_norm >= TANH_NORM_EPS, d_scale * (h * z).sum(dim=-1, keepdim=True) / norm, 0)
-    d_gate = grad_y * scale * h * (1 - gamma * gamma) * sig * (1 + gate * (1 - sig))
-    return scale * z + radial * h, d_gate
-
-
 def _normalize_values(v: Tensor) -> tuple[Tensor, Tensor]:
     """(v / max(|v|, eps) in v's dtype, 1 / max(|v|, eps) (B, T, H) in the compute dtype), as the kernels' pass."""
     inv_norm = v.to(_compute_dtype(v)).norm(dim=-1).clamp_min(NORM_EPS).reciprocal()
@@ -270,8 +215,8 @@ def _screening_backward_torch(
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The custom ops: Triton on CUDA, the plain-torch paths elsewhere. The forward ops also return what their backward
-# reuses (marked non-differentiable): the unit values and their inverse norms, and the gated op's h.
+# The custom op: Triton on CUDA, the plain-torch paths elsewhere. The forward also returns what its backward reuses
+# (marked non-differentiable): the unit values and their inverse norms.
 
 
 def _screening_plain_torch(
@@ -340,82 +285,17 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
     _, unit_v, inv_norm = output
     ctx.save_for_backward(q, k, unit_v, window, rho, doc_start, doc_end, inv_norm)
     ctx.mark_non_differentiable(unit_v, inv_norm)
+    ctx.set_materialize_grads(False)  # their gradients stay None, not (B, T, H, dV) zeros written on every step
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor, *_unused: Tensor | None) -> tuple:
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor | None, *_unused: Tensor | None) -> tuple:
+    if grad_out is None:  # h reached no loss (grads are not materialized)
+        return (None,) * 7
     grads = _screening_backward_op(*ctx.saved_tensors, grad_out.contiguous())
     return *grads, None, None
 
 
 _screening_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("ppt::gated_screening", mutates_args=())
-def _gated_op(
-    q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    h, unit_v, inv_norm = _screening_plain_torch(q, k, v, window, rho, doc_start, doc_end)
-    y = _gate(h.to(_compute_dtype(v)), gate.to(_compute_dtype(v))).to(v.dtype)
-    return y, h, unit_v, inv_norm
-
-
-@_gated_op.register_kernel("cuda")
-def _gated_cuda(
-    q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    from ppt.kernels.screening_triton import gated_screening_forward
-
-    return gated_screening_forward(q, k, v, gate, window, rho, doc_start)
-
-
-@_gated_op.register_fake
-def _gated_fake(
-    q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return v.new_empty(v.shape), v.new_empty(v.shape), *_saved_fakes(v)
-
-
-@torch.library.custom_op("ppt::gated_screening_backward", mutates_args=())
-def _gated_backward_op(
-    q: Tensor, k: Tensor, unit_v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    doc_end: Tensor, h: Tensor, inv_norm: Tensor, grad_y: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    grad_h, d_gate = _gate_backward_torch(h, gate, grad_y)
-    dq, dk, dv, dw, dr = _screening_backward_torch(q, k, unit_v, inv_norm, window, rho, doc_start, grad_h)
-    return dq, dk, dv, d_gate.to(gate.dtype), dw, dr
-
-
-@_gated_backward_op.register_kernel("cuda")
-def _gated_backward_cuda(
-    q: Tensor, k: Tensor, unit_v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    doc_end: Tensor, h: Tensor, inv_norm: Tensor, grad_y: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    from ppt.kernels.screening_triton import gated_screening_backward
-
-    return gated_screening_backward(q, k, unit_v, gate, window, rho, doc_start, doc_end, h, inv_norm, grad_y)
-
-
-@_gated_backward_op.register_fake
-def _gated_backward_fake(
-    q: Tensor, k: Tensor, unit_v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    doc_end: Tensor, h: Tensor, inv_norm: Tensor, grad_y: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    return tuple(torch.empty_like(t) for t in (q, k, unit_v, gate, window, rho))
-
-
-def _gated_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-    q, k, _, gate, window, rho, doc_start, doc_end = inputs
-    _, h, unit_v, inv_norm = output
-    ctx.save_for_backward(q, k, unit_v, gate, window, rho, doc_start, doc_end, h, inv_norm)
-    ctx.mark_non_differentiable(h, unit_v, inv_norm)
-
-
-def _gated_backward(ctx: torch.autograd.function.FunctionCtx, grad_y: Tensor, *_unused: Tensor | None) -> tuple:
-    grads = _gated_backward_op(*ctx.saved_tensors, grad_y.contiguous())
-    return *grads, None, None
-
-
-_gated_op.register_autograd(_gated_backward, setup_context=_gated_setup_context)
 
 
 def screening(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, meta: tuple[Tensor, Tensor]) -> Tensor:
@@ -426,20 +306,6 @@ def screening(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, meta
         _check_kernel_inputs(q, v)
     q, k, v, doc_start, doc_end = (t.contiguous() for t in (q, k, v, doc_start, doc_end))  # what the kernels index
     return torch.ops.ppt.screening(q, k, v, window, rho, doc_start, doc_end)[0]
-
-
-def gated_screening(
-    q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, meta: tuple[Tensor, Tensor]
-) -> Tensor:
-    """y = TanhNorm(h) * tanh(SiLU(gate)), h = screening(q, k, v, window, rho, meta), gate (B, T, H, dV) like v;
-    the elementwise part runs inside the screening kernels (module docstring)."""
-    doc_start, doc_end = meta
-    _check_inputs(q, k, v, window, rho, doc_start, doc_end)
-    _check_gate(gate, v)
-    if q.device.type == "cuda":
-        _check_kernel_inputs(q, v)
-    q, k, v, gate, doc_start, doc_end = (t.contiguous() for t in (q, k, v, gate, doc_start, doc_end))
-    return torch.ops.ppt.gated_screening(q, k, v, gate, window, rho, doc_start, doc_end)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -506,26 +372,9 @@ def screening_cost(
     }
 
 
-def gated_screening_cost(
-    B: int,
-    T: int,
-    H: int,
-    dK: int,
-    dV: int,
-    window: Tensor | None = None,
-    meta: tuple[Tensor, Tensor] | Tensor | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-) -> dict[str, int]:
-    """screening_cost plus the gate's bytes: the forward also reads gate and writes y; the backward also reads h
-    and gate, writes d gate, and writes dL/dh in its dQ pass for the dK/dV pass to read (FLOPs: matmul work only)."""
-    cost = screening_cost(B, T, H, dK, dV, window, meta, dtype)
-    per_dv = torch.empty((), dtype=dtype).element_size() * B * T * H * dV
-    return {**cost, "fwd_bytes": cost["fwd_bytes"] + 2 * per_dv, "bwd_bytes": cost["bwd_bytes"] + 5 * per_dv}
-
-
-def _cost_from_args(q: Tensor, v: Tensor, window: Tensor, doc_start: Tensor, gated: bool = False) -> dict[str, int]:
+def _cost_from_args(q: Tensor, v: Tensor, window: Tensor, doc_start: Tensor) -> dict[str, int]:
     B, T, H, dK = q.shape
-    return (gated_screening_cost if gated else screening_cost)(B, T, H, dK, v.shape[-1], window, doc_start, q.dtype)
+    return screening_cost(B, T, H, dK, v.shape[-1], window, doc_start, q.dtype)
 
 
 def forward_cost(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, *args: object,
@@ -542,20 +391,6 @@ def backward_cost(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, 
     return {"flops": cost["bwd_flops"], "bytes": cost["bwd_bytes"]}
 
 
-def gated_forward_cost(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor,
-                       doc_start: Tensor, *args: object, **kwargs: object) -> dict[str, int]:  # fmt: skip
-    """{"flops", "bytes"} of one `ppt::gated_screening` call, from the op's own arguments."""
-    cost = _cost_from_args(q, v, window, doc_start, gated=True)
-    return {"flops": cost["fwd_flops"], "bytes": cost["fwd_bytes"]}
-
-
-def gated_backward_cost(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor,
-                        doc_start: Tensor, *args: object, **kwargs: object) -> dict[str, int]:  # fmt: skip
-    """{"flops", "bytes"} of one `ppt::gated_screening_backward` call, from the op's own arguments."""
-    cost = _cost_from_args(q, v, window, doc_start, gated=True)
-    return {"flops": cost["bwd_flops"], "bytes": cost["bwd_bytes"]}
-
-
 def _flops_of(cost: Callable[..., dict[str, int]]) -> Callable[..., int]:
     """A FlopCounterMode formula from a cost formula. torch.utils.flop_counter hands formulas marked _get_raw the
     op's tensors (not only shapes), so window values and document metadata reach _pair_count."""
@@ -565,12 +400,6 @@ def _flops_of(cost: Callable[..., dict[str, int]]) -> Callable[..., int]:
 
     flops._get_raw = True
     return flops
-
-
-def gated_needed_pairs(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, *args: object,
-                       **kwargs: object) -> list[tuple]:  # fmt: skip
-    """needed_pairs of `ppt::gated_screening` (the gate adds no token mixing)."""
-    return needed_pairs(q, k, v, window)
 
 
 def needed_pairs(q: Tensor, k: Tensor, v: Tensor, window: Tensor, *args: object, **kwargs: object) -> list[tuple]:
@@ -588,12 +417,7 @@ def needed_pairs(q: Tensor, k: Tensor, v: Tensor, window: Tensor, *args: object,
 COST_FORMULAS: dict[object, Callable[..., dict[str, int]]] = {
     torch.ops.ppt.screening: forward_cost,
     torch.ops.ppt.screening_backward: backward_cost,
-    torch.ops.ppt.gated_screening: gated_forward_cost,
-    torch.ops.ppt.gated_screening_backward: gated_backward_cost,
 }
 FLOP_FORMULAS: dict[object, Callable[..., int]] = {op: _flops_of(cost) for op, cost in COST_FORMULAS.items()}
 # ppt.flops's comparison rule: the pairs the forward op needs (the rule counts a backward as twice its forward)
-PAIR_FORMULAS: dict[object, Callable[..., list[tuple]]] = {
-    torch.ops.ppt.screening: needed_pairs,
-    torch.ops.ppt.gated_screening: gated_needed_pairs,
-}
+PAIR_FORMULAS: dict[object, Callable[..., list[tuple]]] = {torch.ops.ppt.screening: needed_pairs}

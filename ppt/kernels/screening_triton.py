@@ -20,11 +20,6 @@ a program whose head's span ceil(min(w, T)) lies outside its class returns at on
 (they would mostly compute masked-out pairs), long ones large tiles (fewer reloads of the keys from L2), and no
 window value ever reaches the host. The default plans have one class.
 
-Gated (GATED, Multiscreen's unit): the forward's epilogue also writes y = TanhNorm(h) * tanh(SiLU(gate)) from its
-fp32 h, and the dQ pass starts by turning dL/dy into dL/dh (written for the dK/dV pass) and dL/d gate. The
-elementwise work rides in the screening passes, which are latency-bound, instead of two passes of its own over
-four (B, T, H, dV) tensors.
-
 Operands go to tensor cores in the input dtype (bf16/fp16) with fp32 accumulation; fp32 inputs use IEEE dots.
 """
 
@@ -52,7 +47,6 @@ DKDV_PLAN: Plan = ((None, (16, 32, 1, 3)),)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _NORM_EPS = tl.constexpr(1e-12)  # v_j / max(|v_j|, eps): F.normalize's default, as the plain-torch paths
 _NORM_ROWS = 64  # value rows per program of the normalization pass
-_TANH_NORM_EPS = tl.constexpr(1e-8)  # TanhNorm's norm clamp, as the plain-torch path
 _HALF_PI = tl.constexpr(1.5707963267948966)
 
 
@@ -158,41 +152,6 @@ def _normalize_kernel(V, UNIT_V, INV_NORM, n_rows, DV: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
-def _tanh(x):
-    """tanh of fp32 x: an odd Taylor polynomial below 1/8 (where 1 - 2 / (e^{2x} + 1) would cancel), else exp."""
-    ax = tl.abs(x)
-    x2 = ax * ax
-    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    large = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
-    return tl.where(x < 0, -1.0, 1.0) * tl.where(ax < 0.125, small, large)
-
-
-@triton.jit
-def _gated_tanh_norm(h, gate):
-    """y = TanhNorm(h) * tanh(SiLU(gate)) over (rows, dV) fp32 tiles, TanhNorm(h) = h tanh(|h|) / |h| per row."""
-    norm = tl.maximum(tl.sqrt(tl.sum(h * h, axis=1)), _TANH_NORM_EPS)
-    return h * (_tanh(norm) / norm)[:, None] * _tanh(gate * tl.sigmoid(gate))
-
-
-@triton.jit
-def _gated_tanh_norm_backward(h, gate, dy):
-    """(dL/dh, dL/d gate) of y = _gated_tanh_norm(h, gate) from dL/dy, fp32 tiles. With n = max(|h|, eps) and
-    a = tanh(n) / n: dh = a z + [|h| >= eps] (da/dn) (h . z) / n h, z = dy tanh(SiLU(gate))."""
-    raw_norm = tl.sqrt(tl.sum(h * h, axis=1))
-    norm = tl.maximum(raw_norm, _TANH_NORM_EPS)
-    t = _tanh(norm)
-    scale = t / norm
-    sig = tl.sigmoid(gate)
-    gamma = _tanh(gate * sig)
-    z = dy * gamma
-    d_scale = (1.0 - t * t) / norm - t / (norm * norm)
-    radial = tl.where(raw_norm >= _TANH_NORM_EPS, d_scale * tl.sum(h * z, axis=1) / norm, 0.0)
-    dh = scale[:, None] * z + radial[:, None] * h
-    d_gate = dy * scale[:, None] * h * (1.0 - gamma * gamma) * sig * (1.0 + gate * (1.0 - sig))
-    return dh, d_gate
-
-
-@triton.jit
 def _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per query tile: how many keys each row sees, the largest doc start, and the key range [first_key, last_key)."""
     offs_i = i0 + tl.arange(0, BLOCK_M)
@@ -213,10 +172,9 @@ def _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M: tl.constexpr, BLOCK_N:
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, OUT, GATE, Y, WINDOW, RHO, DOC_START,
+    Q, K, V, OUT, WINDOW, RHO, DOC_START,
     T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    GATED: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     i0 = tl.program_id(1) * BLOCK_M
@@ -251,17 +209,13 @@ def _forward_kernel(
         acc += tl.dot((root * root).to(v.dtype), v, input_precision=PRECISION)
         cos_row, sin_row = _rotate(cos_row, sin_row, cos_step, sin_step)
     _store_rows(OUT, acc, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
-    if GATED:
-        gate = _load_rows(GATE, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M).to(tl.float32)
-        _store_rows(Y, _gated_tanh_norm(acc, gate), b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DOUT, DQ, DW_PART, DRHO_PART, WINDOW, RHO, DOC_START, H_OUT, GATE, DH, DGATE,
+    Q, K, V, DOUT, DQ, DW_PART, DRHO_PART, WINDOW, RHO, DOC_START,
     T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    GATED: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     tile = tl.program_id(1)
@@ -280,13 +234,6 @@ def _dq_kernel(
     visible, doc_start_max, first_key, last_key = _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M, BLOCK_N)
     q = _load_rows(Q, b, i0, T, stride_b, stride_t, h * DK, DK, BLOCK_M)
     dout = _load_rows(DOUT, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
-    if GATED:  # DOUT holds dL/dy: dL/dh for this tile (and for the dK/dV pass, through DH) and dL/d gate
-        h_out = _load_rows(H_OUT, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M).to(tl.float32)
-        gate = _load_rows(GATE, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M).to(tl.float32)
-        d_h, d_gate = _gated_tanh_norm_backward(h_out, gate, dout.to(tl.float32))
-        _store_rows(DGATE, d_gate, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
-        dout = d_h.to(DH.dtype.element_ty)
-        _store_rows(DH, dout, b, i0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_M)
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
     row_pos = (rows + (i0 - first_key)).to(tl.float32)
     sin_row, cos_row = _sincos(row_pos * half_phase)
@@ -375,7 +322,7 @@ def _dkdv_kernel(
     # (the clamped norm of a row below eps is constant: no radial part there, as in F.normalize's backward)
     offs_j = j0 + keys
     inv_norm = tl.load(INV_NORM + (b * T + offs_j) * H + h, mask=offs_j < T, other=0.0)
-    unit_v = v.to(tl.float32)
+    unit_v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N).to(tl.float32)  # reloaded: no spill
     radial = tl.where(inv_norm < 1.0 / _NORM_EPS, tl.sum(unit_v * dv, axis=1), 0.0)
     dv = (dv - unit_v * radial[:, None]) * inv_norm[:, None]
     _store_rows(DV_OUT, dv, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
@@ -416,38 +363,31 @@ def normalize_values(v: Tensor) -> tuple[Tensor, Tensor]:
 
 def forward_class(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    span_lo: int, span_hi: int, blocks: Blocks, gate: Tensor | None = None, y: Tensor | None = None,
+    span_lo: int, span_hi: int, blocks: Blocks,
 ) -> None:  # fmt: skip
-    """One class's forward launch on unit values v: writes `out` (h) for the heads whose span lies in
-    [span_lo, span_hi], and `y` from `gate` when given (gated)."""
+    """One class's forward launch on unit values v: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
-    gated = gate is not None
     _forward_kernel[(B * H, triton.cdiv(T, block_m))](
-        q, k, v, out, gate if gated else out, y if gated else out, window, rho, doc_start,
-        *_shape_args(q, v), span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), GATED=gated,
-        **_launch_options(blocks),
+        q, k, v, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
 
 
 def dq_class(
     q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dq: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
     span_lo: int, span_hi: int, blocks: Blocks,
-    gated: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi] and returns their
-    d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials. Gated, grad_out
-    is dL/dy and gated = (h, gate, dh, d gate): the launch writes dh (for the dK/dV pass) and d gate."""
+    """One class's dQ launch on unit values v: writes `dq` for the heads whose span lies in [span_lo, span_hi] and
+    returns their d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     n_tiles = triton.cdiv(T, block_m)
     partials = torch.empty((2, H, B * n_tiles), device=q.device, dtype=torch.float32)
     _dq_kernel[(B * H, n_tiles)](
-        q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start,
-        *(gated or (grad_out,) * 4), *_shape_args(q, v), span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), GATED=gated is not None,
-        **_launch_options(blocks),
+        q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
+        span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
     # sums over each head's contiguous row of partials (a strided (B, H, tiles) sum took 25 us each on an H200);
     # two sums, not one: the op's outputs must not alias each other
@@ -459,7 +399,7 @@ def dkdv_class(
     rho: Tensor, doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
 ) -> None:  # fmt: skip
     """One class's dK/dV launch on unit values v: writes `dk` and `dv` (of the raw values, whose inverse norms
-    inv_norm are) for the heads whose span lies in [span_lo, span_hi]; grad_out is dL/dh."""
+    inv_norm are) for the heads whose span lies in [span_lo, span_hi]."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
@@ -470,7 +410,7 @@ def dkdv_class(
 
 def screening_forward(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, plan: Plan | None = None
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """(h (B, T, H, dV), and for the backward the unit values and their inverse norms, from normalize_values) of the
     raw values v. Inputs contiguous, validated by the caller (ppt.kernels.screening)."""
     (unit_v, inv_norm), out = normalize_values(v), torch.empty_like(v)
@@ -479,52 +419,17 @@ def screening_forward(
     return out, unit_v, inv_norm
 
 
-def gated_screening_forward(
-    q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    plan: Plan | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(y = TanhNorm(h) * tanh(SiLU(gate)), then h, the unit values and their inverse norms for the backward); gate
-    (B, T, H, dV) like v."""
-    (unit_v, inv_norm), out, y = normalize_values(v), torch.empty_like(v), torch.empty_like(v)
-    for span_lo, span_hi, blocks in plan_classes(plan or FORWARD_PLAN):
-        forward_class(q, k, unit_v, out, window, rho, doc_start, span_lo, span_hi, blocks, gate, y)
-    return y, out, unit_v, inv_norm
-
-
-def _backward(
-    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
-    inv_norm: Tensor, grad_out: Tensor, dq_plan: Plan | None, dkdv_plan: Plan | None,
-    gated: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    d_window = d_rho = None
-    for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
-        sums = dq_class(q, k, v, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks, gated)
-        d_window, d_rho = sums if d_window is None else (d_window + sums[0], d_rho + sums[1])
-    grad_h = grad_out if gated is None else gated[2]  # gated: the dQ pass wrote dL/dh
-    for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
-        dkdv_class(q, k, v, inv_norm, grad_h, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
-    return dq, dk, dv, d_window, d_rho
-
-
 def screening_backward(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
     inv_norm: Tensor, grad_out: Tensor, dq_plan: Plan | None = None, dkdv_plan: Plan | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv, d window, d rho) with v the unit values and inv_norm from screening_forward; dv is that of the
     raw values. The per-head grads are fp32 sums of per-program partials (deterministic)."""
-    return _backward(q, k, v, window, rho, doc_start, doc_end, inv_norm, grad_out, dq_plan, dkdv_plan)
-
-
-def gated_screening_backward(
-    q: Tensor, k: Tensor, v: Tensor, gate: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
-    h: Tensor, inv_norm: Tensor, grad_y: Tensor, dq_plan: Plan | None = None, dkdv_plan: Plan | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dq, dk, dv, d gate, d window, d rho) from dL/dy; h, the unit values v and inv_norm from
-    gated_screening_forward."""
-    d_gate, grad_h = torch.empty_like(gate), torch.empty_like(h)
-    gated = (h, gate, grad_h, d_gate)
-    dq, dk, dv, d_window, d_rho = _backward(
-        q, k, v, window, rho, doc_start, doc_end, inv_norm, grad_y, dq_plan, dkdv_plan, gated
-    )
-    return dq, dk, dv, d_gate, d_window, d_rho
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d_window = d_rho = None
+    for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
+        sums = dq_class(q, k, v, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks)
+        d_window, d_rho = sums if d_window is None else (d_window + sums[0], d_rho + sums[1])
+    for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
+        dkdv_class(q, k, v, inv_norm, grad_out, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
+    return dq, dk, dv, d_window, d_rho
