@@ -183,20 +183,11 @@ def bench(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = No
 @dataclass
 class Impl:
     """fwd(c) -> h; bwd(c) -> (dq, dk, dv, d window, d rho); train(c) -> (fwd+bwd as training calls it, the leaves
-    whose gradients it fills). dv_of_unit_values: its dv is the gradient of the unit values it was handed (the seed,
-    kernel files from before the op normalized v), which the check projects onto the raw values' gradient."""
+    whose gradients it fills)."""
 
     fwd: Callable[[dict], torch.Tensor]
     bwd: Callable[[dict], tuple]
     train: Callable[[dict], tuple[Callable[[], object], list[torch.Tensor]]]
-    dv_of_unit_values: bool = False
-
-
-def normalized(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unit values, inverse norms) of the case's v, as our forward hands them to its backward; once per case."""
-    if "normalized" not in c:
-        c["normalized"] = kernels.normalize_values(c["v"])
-    return c["normalized"]
 
 
 def ours(plans: dict | None = None) -> Impl:
@@ -204,14 +195,13 @@ def ours(plans: dict | None = None) -> Impl:
     autograd, as the model calls it, with the module's plans set to these."""
     plans = plans or {name: getattr(kernels, constant) for name, constant in PLAN_NAMES.items()}
 
-    def fwd(c: dict) -> torch.Tensor:  # the values' normalization pass included
-        q, k, v, w, r = (c[n] for n in ("q", "k", "v", "window", "rho"))
-        return kernels.screening_forward(q, k, v, w, r, c["meta"][0], plans["forward"])[0]
+    def fwd(c: dict) -> torch.Tensor:
+        return kernels.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0], plans["forward"])
 
     def bwd(c: dict) -> tuple:
-        q, k, w, r, g = (c[n] for n in ("q", "k", "window", "rho", "grad_out"))
-        unit_v, inv_norm = normalized(c)
-        return kernels.screening_backward(q, k, unit_v, w, r, *c["meta"], inv_norm, g, plans["dq"], plans["dkdv"])
+        return kernels.screening_backward(
+            c["q"], c["k"], c["v"], c["window"], c["rho"], *c["meta"], c["grad_out"], plans["dq"], plans["dkdv"]
+        )
 
     def train(c: dict) -> tuple[Callable[[], object], list[torch.Tensor]]:
         leaves = [c[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "window", "rho")]
@@ -222,22 +212,10 @@ def ours(plans: dict | None = None) -> Impl:
 
 
 def baseline(module: types.ModuleType) -> Impl:
-    """A kernel file of another commit: screening_forward / screening_backward with its own defaults. Files from
-    before the op normalized the values take them normalized (the case's are) and return h alone."""
-    normalizes = hasattr(module, "normalize_values")
-
-    def fwd(c: dict) -> torch.Tensor:
-        out = module.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0])
-        return out[0] if normalizes else out
-
-    def bwd(c: dict) -> tuple:
-        q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
-        if normalizes:
-            unit_v, inv_norm = module.normalize_values(v)
-            return module.screening_backward(q, k, unit_v, w, r, *c["meta"], inv_norm, g)
-        return module.screening_backward(q, k, v, w, r, *c["meta"], g)
-
-    return Impl(fwd, bwd, lambda c: ((lambda: (fwd(c), bwd(c))), []), dv_of_unit_values=not normalizes)
+    """A kernel file of another commit: screening_forward / screening_backward with its own defaults."""
+    fwd = lambda c: module.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0])
+    bwd = lambda c: module.screening_backward(c["q"], c["k"], c["v"], c["window"], c["rho"], *c["meta"], c["grad_out"])
+    return Impl(fwd, bwd, lambda c: ((lambda: (fwd(c), bwd(c))), []))
 
 
 def seed_impl(seed: types.ModuleType) -> Impl:
@@ -276,7 +254,7 @@ def seed_impl(seed: types.ModuleType) -> Impl:
         leaves = [x.detach().clone().requires_grad_() for x in (s["q"], s["k"], s["v"], c["window"], c["rho"])]
         return lambda: call(s, *leaves).backward(s["grad_out"]), leaves
 
-    return Impl(fwd, bwd, train, dv_of_unit_values=True)
+    return Impl(fwd, bwd, train)
 
 
 def load_seed(folder: Path, args: argparse.Namespace) -> types.ModuleType | None:
@@ -313,11 +291,6 @@ def reference_case(args: argparse.Namespace) -> tuple[dict, list[torch.Tensor]]:
 
 def relative_errors(impl: Impl, case: dict, refs: list[torch.Tensor]) -> dict[str, float]:
     got = [impl.fwd(case), *impl.bwd(case)]
-    if impl.dv_of_unit_values:  # d unit values -> d raw values (the case's v is normalized, then rounded to bf16)
-        v = case["v"].double()
-        norm = v.norm(dim=-1, keepdim=True)
-        dv = got[3].double()
-        got[3] = (dv - v / norm * (v / norm * dv).sum(dim=-1, keepdim=True)) / norm
     errors = {}
     for name, x, ref in zip(("h", "dq", "dk", "dv", "dwindow", "drho"), got, refs):
         err = (x.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)
@@ -377,8 +350,7 @@ def minimal_bytes(kind: str, c: dict) -> int:
     B, T, H, dK = c["q"].shape
     dV = c["v"].shape[-1]
     elements = {"forward": 2 * dK + 2 * dV, "dq": 2 * dK + 2 * dV + dK, "dkdv": 2 * dK + 2 * dV + dK + dV}[kind]
-    norms = 4 * B * T * H if kind == "dkdv" else 0  # the values' inverse norms, for the raw values' gradient
-    return 2 * B * T * H * elements + norms + 4 * B * T * (1 if kind != "dkdv" else 2)
+    return 2 * B * T * H * elements + 4 * B * T * (1 if kind != "dkdv" else 2)
 
 
 FLOPS_PER_PAIR = {"forward": lambda dK, dV: 2 * (dK + dV), "dq": lambda dK, dV: 2 * (2 * dK + dV),
@@ -393,15 +365,14 @@ def class_launch(kind: str, c: dict, span_range: tuple[int, int], blocks: tuple)
     """One class's launch of a kernel on case c, writing into buffers of its own."""
     q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
     doc_start, doc_end = c["meta"]
-    unit_v, inv_norm = normalized(c)
     if kind == "forward":
         out = torch.empty_like(v)
-        return lambda: kernels.forward_class(q, k, unit_v, out, w, r, doc_start, *span_range, blocks)
+        return lambda: kernels.forward_class(q, k, v, out, w, r, doc_start, *span_range, blocks)
     if kind == "dq":
         dq = torch.empty_like(q)
-        return lambda: kernels.dq_class(q, k, unit_v, g, dq, w, r, doc_start, *span_range, blocks)
+        return lambda: kernels.dq_class(q, k, v, g, dq, w, r, doc_start, *span_range, blocks)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    return lambda: kernels.dkdv_class(q, k, unit_v, inv_norm, g, dk, dv, w, r, doc_start, doc_end, *span_range, blocks)
+    return lambda: kernels.dkdv_class(q, k, v, g, dk, dv, w, r, doc_start, doc_end, *span_range, blocks)
 
 
 def time_kernels(plans: dict, c: dict) -> dict[str, float]:

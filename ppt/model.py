@@ -343,11 +343,10 @@ class MultiscreenBlock(nn.Module):
     ) -> torch.Tensor:
         window = self.window()
         rho = 1 + torch.exp(-self.s_r.float())  # 1 / r with r = sigmoid(s_r): the trim multiplier
-        q, k = (unit_rows(project_heads(x, w)) for w in (self.w_q, self.w_k))
-        v = project_heads(x, self.w_v)  # screening normalizes the values itself (its backward folded into the kernels)
+        q, k, v = (unit_rows(project_heads(x, w)) for w in (self.w_q, self.w_k, self.w_v))
         q = mipe(q, window, positions, self.config.window_threshold).to(v.dtype)
         k = mipe(k, window, positions, self.config.window_threshold).to(v.dtype)
-        h = screening(q, k, v, window, rho, meta)  # (B, T, H, dV): sum of alpha * m * v / |v|
+        h = screening(q, k, v, window, rho, meta)  # (B, T, H, dV): sum of alpha * m * v
         gate = torch.tanh(F.silu(project_heads(x, self.w_g)))
         # the per-head output scale e^{s_o} multiplies the small per-head w_o rather than the (B, T, H, dV)
         # activations: the same product, and its gradient is a reduction over w_o, not over every token

@@ -45,10 +45,9 @@ def random_inputs(B, T, H, dK, dV, dtype=F64, seed=0, device="cpu"):
 
 
 def naive_screening(q, k, v, window, rho, doc_pos):
-    """The definition, one query at a time, float64: unit values, weights alpha * m."""
+    """The definition, one query at a time, float64."""
     B, T, H, _ = q.shape
     out = torch.zeros(v.shape, dtype=F64)
-    v = v.double() / v.double().norm(dim=-1, keepdim=True)
     for b in range(B):
         for h in range(H):
             w, r = float(window[h]), float(rho[h])
@@ -128,32 +127,8 @@ def test_op_gradcheck_float64():
     rho = torch.tensor([1.2, 0.9], dtype=F64, requires_grad=True)
     fn = lambda q, k, v, w, r: screening_reference(q, k, v, w, r, meta)
     assert torch.autograd.gradcheck(fn, (q, k, v, window, rho), fast_mode=True)
-    op = lambda q, k, v, w, r: torch.ops.ppt.screening(q, k, v, w, r, *meta)[0]  # the op's own (analytic) backward
+    op = lambda q, k, v, w, r: torch.ops.ppt.screening(q, k, v, w, r, *meta)  # the op's own (analytic) backward
     assert torch.autograd.gradcheck(op, (q, k, v, window, rho), fast_mode=True)
-
-
-def test_values_are_normalized_inside_the_op():
-    """Rescaling value rows changes nothing: h is the same and dv has no radial part (dv_j . v_j = 0). A zero row
-    adds nothing to h, and its gradient is that of the clamped norm (grad / eps), as through F.normalize."""
-    g = torch.Generator().manual_seed(11)
-    B, T, H = 1, 20, 2
-    meta = screening_metadata(random_doc_pos(B, T, 8, g))
-    q, k, v = random_inputs(B, T, H, 4, 6, seed=11)
-    window, rho = torch.tensor([3.5, float("inf")]), torch.tensor([1.5, 1.2])
-    scale = torch.rand(B, T, H, 1, generator=g, dtype=F64) * 100 + 0.01
-    torch.testing.assert_close(screening(q, k, v * scale, window, rho, meta), screening(q, k, v, window, rho, meta))
-
-    v[0, 3, 1] = 0
-    grad_out = torch.randn(B, T, H, 6, generator=g, dtype=F64)
-    leaves = [v.clone().requires_grad_() for _ in range(2)]
-    dv = torch.autograd.grad(screening(q, k, leaves[0], window, rho, meta), leaves[0], grad_out)[0]
-    radial = (dv * v).sum(-1)
-    torch.testing.assert_close(radial, torch.zeros_like(radial), rtol=0, atol=1e-12)
-    through_reference = torch.autograd.grad(
-        screening_reference(q, k, leaves[1], window, rho, meta), leaves[1], grad_out
-    )
-    torch.testing.assert_close(dv, through_reference[0])
-    assert 1e9 < dv[0, 3, 1].abs().max() < math.inf  # about 1e12 times the unit row's gradient
 
 
 def test_opcheck():
@@ -180,9 +155,8 @@ def test_cost_counts_in_window_in_document_pairs():
     cost = screening_cost(B, T, H, dK, dV, window, screening_metadata(doc_pos), torch.bfloat16)
     assert cost["pairs"] == brute
     assert cost["fwd_flops"] == 2 * (dK + dV) * brute and cost["bwd_flops"] == 2 * cost["fwd_flops"]
-    # q, k, v in, h, unit values and their fp32 inverse norms out; q, k, unit v, inverse norms, dh in, dq, dk, dv out
-    assert cost["fwd_bytes"] == 2 * B * T * H * (2 * dK + 3 * dV) + 4 * B * T * H + 8 * B * T
-    assert cost["bwd_bytes"] == 2 * B * T * H * (4 * dK + 3 * dV) + 4 * B * T * H + 8 * B * T
+    assert cost["fwd_bytes"] == 2 * B * T * H * (2 * dK + 2 * dV) + 8 * B * T
+    assert cost["bwd_bytes"] == 2 * B * T * H * (4 * dK + 3 * dV) + 8 * B * T  # q, k, v, dh in; dq, dk, dv out
     # without readable values: an upper bound from shapes alone
     estimate = screening_cost(B, T, H, dK, dV, torch.empty(H, device="meta"), None)
     assert estimate["pairs"] == B * H * T * (T + 1) // 2
@@ -256,9 +230,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         ("classes", two((16, 16, 4, 1), (32, 16, 4, 1, 96)), two((16, 32, 4, 1), (16, 16, 4, 1)),
          two((16, 32, 4, 1, 128), (32, 16, 4, 1))),  # a fifth number caps the registers
     ]:
-        out, unit_v, inv_norm = screening_forward(q, k, v, window, rho, meta[0], plan=fwd_plan)
-        grads = screening_backward(q, k, unit_v, window, rho, *meta, inv_norm, grad_out, dq_plan=dq_plan,
-                                   dkdv_plan=dkdv_plan)
+        out = screening_forward(q, k, v, window, rho, meta[0], plan=fwd_plan)
+        grads = screening_backward(q, k, v, window, rho, *meta, grad_out, dq_plan=dq_plan, dkdv_plan=dkdv_plan)
         for name, got, ref in zip(["out", "dq", "dk", "dv", "dwindow", "drho"], [out, *grads], refs):
             err = (got.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)
             errors[label + " " + name] = float(err) if torch.isfinite(got).all() else float("inf")
@@ -360,8 +333,8 @@ def test_cuda_kernels_agree_across_block_configs(plan):
     leaves = [x.double().requires_grad_() for x in (q, k, v, window, rho)]
     ref_out = screening_reference(*leaves, meta)
     refs = [ref_out, *torch.autograd.grad(ref_out, leaves, grad_out.double())]
-    out, unit_v, inv_norm = screening_forward(q, k, v, window, rho, meta[0], plan=plan)
-    grads = screening_backward(q, k, unit_v, window, rho, *meta, inv_norm, grad_out, dq_plan=plan, dkdv_plan=plan)
+    out = screening_forward(q, k, v, window, rho, meta[0], plan=plan)
+    grads = screening_backward(q, k, v, window, rho, *meta, grad_out, dq_plan=plan, dkdv_plan=plan)
     for name, got, ref in zip(["out", "dq", "dk", "dv", "dwindow", "drho"], [out, *grads], refs):
         assert torch.isfinite(got).all() and _relative_error(got, ref) <= 1e-2, name
 

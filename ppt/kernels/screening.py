@@ -5,12 +5,7 @@ For each batch row b, head h and query position i (all tensors are (B, T, H, D),
     s_ij     = q_i . k_j                                   (q, k unit-normalized per head by the caller)
     alpha_ij = max(1 - rho_h * (1 - s_ij), 0)^2            (trim-and-square; rho = 1/r, the acceptance multiplier)
     m_ij     = (cos(pi * (i - j) / w_h) + 1) / 2           if 0 <= i - j < w_h and j >= doc_start_i, else 0
-    h_i      = sum_j alpha_ij * m_ij * v_j / |v_j|         (unit values, no normalization of the sum)
-
-The op normalizes the values itself (|v_j| clamped below at 1e-12, as F.normalize): the kernels scale the weights
-by 1 / |v_j| and return the raw values' gradient, so no separate pass reads and writes the (B, T, H, dV) values
-for the normalization and its backward. q and k are the caller's: rotary-style encodings sit between their
-normalization and the op.
+    h_i      = sum_j alpha_ij * m_ij * v_j                 (no normalization)
 
 `w_h = inf` makes head h see its whole document prefix with m = 1. Gradients flow to q, k, v, window and rho.
 
@@ -43,7 +38,6 @@ import torch
 from torch import Tensor
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
-NORM_EPS = 1e-12  # v_j / max(|v_j|, eps), F.normalize's default (the kernels' _NORM_EPS)
 _QUERY_CHUNK = 256  # the plain-torch paths materialize (B, H, chunk, T) scores, not (B, H, T, T)
 
 
@@ -164,7 +158,6 @@ def screening_reference(
     _check_inputs(q, k, v, window, rho, doc_start, doc_end, param_dtypes=(torch.float32, torch.float64))
     dtype = _compute_dtype(q)
     q, k, v, window, rho = (t.to(dtype) for t in (q, k, v, window, rho))
-    v = v / v.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
     T = q.shape[1]
     chunks = []
     for i0 in range(0, T, _QUERY_CHUNK):
@@ -175,20 +168,12 @@ def screening_reference(
     return torch.cat(chunks, dim=1).to(v.dtype)
 
 
-def _normalize_values(v: Tensor) -> tuple[Tensor, Tensor]:
-    """(v / max(|v|, eps) in v's dtype, 1 / max(|v|, eps) (B, T, H) in the compute dtype), as the kernels' pass."""
-    inv_norm = v.to(_compute_dtype(v)).norm(dim=-1).clamp_min(NORM_EPS).reciprocal()
-    return (v * inv_norm[..., None]).to(v.dtype), inv_norm
-
-
 def _screening_backward_torch(
-    q: Tensor, k: Tensor, unit_v: Tensor, inv_norm: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    grad_out: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """Analytic gradients in plain PyTorch (the CPU backward of the op; custom-op bodies run without autograd), from
-    the unit values and their inverse norms; dv is that of the raw values."""
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, grad_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Analytic gradients in plain PyTorch (the CPU backward of the op; custom-op bodies run without autograd)."""
     dtype = _compute_dtype(q)
-    qc, kc, vc, w, r, go = (t.to(dtype) for t in (q, k, unit_v, window, rho, grad_out))
+    qc, kc, vc, w, r, go = (t.to(dtype) for t in (q, k, v, window, rho, grad_out))
     dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
     dw, dr = torch.zeros_like(w), torch.zeros_like(r)
     T = q.shape[1]
@@ -207,41 +192,25 @@ def _screening_backward_torch(
         # d m / d w = sin(phase) * phase / (2 w), zero outside the mask (where m is zero) and for w = inf.
         dm_dw = torch.where(m > 0, 0.5 * torch.sin(phase) * phase / w.view(-1, 1, 1), torch.zeros_like(m))
         dw += (g * alpha * dm_dw).sum(dim=(0, 2, 3))
-    # from the unit rows' gradient to the raw rows': drop the radial part (none where the norm is clamped), / |v|
-    inv_norm = inv_norm.to(dtype)
-    radial = torch.where(inv_norm < 1 / NORM_EPS, (vc * dv).sum(dim=-1), 0)
-    dv = (dv - vc * radial[..., None]) * inv_norm[..., None]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(unit_v.dtype), dw.to(window.dtype), dr.to(rho.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(window.dtype), dr.to(rho.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The custom op: Triton on CUDA, the plain-torch paths elsewhere. The forward also returns what its backward reuses
-# (marked non-differentiable): the unit values and their inverse norms.
-
-
-def _screening_plain_torch(
-    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    _check_values(window, rho)
-    unit_v, inv_norm = _normalize_values(v)
-    return screening_reference(q, k, v, window, rho, (doc_start, doc_end)), unit_v, inv_norm
-
-
-def _saved_fakes(v: Tensor) -> tuple[Tensor, Tensor]:
-    return v.new_empty(v.shape), v.new_empty(v.shape[:-1], dtype=_compute_dtype(v))
+# The custom op: Triton on CUDA, the plain-torch paths elsewhere
 
 
 @torch.library.custom_op("ppt::screening", mutates_args=())
 def _screening_op(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _screening_plain_torch(q, k, v, window, rho, doc_start, doc_end)
+) -> Tensor:
+    _check_values(window, rho)
+    return screening_reference(q, k, v, window, rho, (doc_start, doc_end))
 
 
 @_screening_op.register_kernel("cuda")
 def _screening_cuda(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> Tensor:
     from ppt.kernels.screening_triton import screening_forward
 
     return screening_forward(q, k, v, window, rho, doc_start)
@@ -250,62 +219,60 @@ def _screening_cuda(
 @_screening_op.register_fake
 def _screening_fake(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    return v.new_empty(v.shape), *_saved_fakes(v)
+) -> Tensor:
+    return v.new_empty(v.shape)
 
 
 @torch.library.custom_op("ppt::screening_backward", mutates_args=())
 def _screening_backward_op(
-    q: Tensor, k: Tensor, unit_v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
-    inv_norm: Tensor, grad_out: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    return _screening_backward_torch(q, k, unit_v, inv_norm, window, rho, doc_start, grad_out)
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor, grad_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _screening_backward_torch(q, k, v, window, rho, doc_start, grad_out)
 
 
 @_screening_backward_op.register_kernel("cuda")
 def _screening_backward_cuda(
-    q: Tensor, k: Tensor, unit_v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
-    inv_norm: Tensor, grad_out: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor, grad_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     from ppt.kernels.screening_triton import screening_backward
 
-    return screening_backward(q, k, unit_v, window, rho, doc_start, doc_end, inv_norm, grad_out)
+    return screening_backward(q, k, v, window, rho, doc_start, doc_end, grad_out)
 
 
 @_screening_backward_op.register_fake
 def _screening_backward_fake(
-    q: Tensor, k: Tensor, unit_v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
-    inv_norm: Tensor, grad_out: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    return tuple(torch.empty_like(t) for t in (q, k, unit_v, window, rho))
+    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor, grad_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        torch.empty_like(window),
+        torch.empty_like(rho),
+    )
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-    q, k, _, window, rho, doc_start, doc_end = inputs
-    _, unit_v, inv_norm = output
-    ctx.save_for_backward(q, k, unit_v, window, rho, doc_start, doc_end, inv_norm)
-    ctx.mark_non_differentiable(unit_v, inv_norm)
-    ctx.set_materialize_grads(False)  # their gradients stay None, not (B, T, H, dV) zeros written on every step
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor) -> None:
+    ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor | None, *_unused: Tensor | None) -> tuple:
-    if grad_out is None:  # h reached no loss (grads are not materialized)
-        return (None,) * 7
-    grads = _screening_backward_op(*ctx.saved_tensors, grad_out.contiguous())
-    return *grads, None, None
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor) -> tuple:
+    q, k, v, window, rho, doc_start, doc_end = ctx.saved_tensors
+    dq, dk, dv, dw, dr = _screening_backward_op(q, k, v, window, rho, doc_start, doc_end, grad_out.contiguous())
+    return dq, dk, dv, dw, dr, None, None
 
 
 _screening_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def screening(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, meta: tuple[Tensor, Tensor]) -> Tensor:
-    """h (B, T, H, dV) = sum_j alpha_ij m_ij v_j / |v_j| (module docstring); meta from `screening_metadata(doc_pos)`."""
+    """h (B, T, H, dV) = sum_j alpha_ij m_ij v_j (module docstring). meta comes from `screening_metadata(doc_pos)`."""
     doc_start, doc_end = meta
     _check_inputs(q, k, v, window, rho, doc_start, doc_end)
     if q.device.type == "cuda":
         _check_kernel_inputs(q, v)
     q, k, v, doc_start, doc_end = (t.contiguous() for t in (q, k, v, doc_start, doc_end))  # what the kernels index
-    return torch.ops.ppt.screening(q, k, v, window, rho, doc_start, doc_end)[0]
+    return torch.ops.ppt.screening(q, k, v, window, rho, doc_start, doc_end)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -355,20 +322,18 @@ def screening_cost(
     """FLOPs and HBM bytes of one screening call, counting in-window, in-document pairs only (see `_pair_count`).
 
     Forward: 2 (dK + dV) FLOPs per pair (q.k and alpha m v); backward 4 (dK + dV) (dQ, dK, the score gradient and
-    dV). Bytes, each tensor once: forward reads q, k, v and writes h, the unit values and their fp32 inverse norms
-    (for the backward); backward reads q, k, the unit values, the inverse norms and dh and writes dq, dk, dv.
+    dV). Bytes, each tensor once: forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv.
     """
     pairs = _pair_count(T, window, meta, B, H)
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = B * T * H
     meta_bytes = 2 * 4 * B * T
-    norm_bytes = 4 * tokens
     return {
         "pairs": pairs,
         "fwd_flops": 2 * (dK + dV) * pairs,
         "bwd_flops": 4 * (dK + dV) * pairs,
-        "fwd_bytes": elem * tokens * (2 * dK + 3 * dV) + norm_bytes + meta_bytes,
-        "bwd_bytes": elem * tokens * (4 * dK + 3 * dV) + norm_bytes + meta_bytes,
+        "fwd_bytes": elem * tokens * (2 * dK + 2 * dV) + meta_bytes,
+        "bwd_bytes": elem * tokens * (4 * dK + 3 * dV) + meta_bytes,
     }
 
 
@@ -391,15 +356,18 @@ def backward_cost(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, 
     return {"flops": cost["bwd_flops"], "bytes": cost["bwd_bytes"]}
 
 
-def _flops_of(cost: Callable[..., dict[str, int]]) -> Callable[..., int]:
-    """A FlopCounterMode formula from a cost formula. torch.utils.flop_counter hands formulas marked _get_raw the
-    op's tensors (not only shapes), so window values and document metadata reach _pair_count."""
+def _forward_flops(*args: object, **kwargs: object) -> int:
+    return forward_cost(*args, **kwargs)["flops"]
 
-    def flops(*args: object, **kwargs: object) -> int:
-        return cost(*args, **kwargs)["flops"]
 
-    flops._get_raw = True
-    return flops
+def _backward_flops(*args: object, **kwargs: object) -> int:
+    return backward_cost(*args, **kwargs)["flops"]
+
+
+# torch.utils.flop_counter hands formulas marked _get_raw the op's tensors (not only shapes), so window values and
+# document metadata reach _pair_count: `FlopCounterMode(custom_mapping=FLOP_FORMULAS)` counts the op.
+_forward_flops._get_raw = True
+_backward_flops._get_raw = True
 
 
 def needed_pairs(q: Tensor, k: Tensor, v: Tensor, window: Tensor, *args: object, **kwargs: object) -> list[tuple]:
@@ -418,6 +386,9 @@ COST_FORMULAS: dict[object, Callable[..., dict[str, int]]] = {
     torch.ops.ppt.screening: forward_cost,
     torch.ops.ppt.screening_backward: backward_cost,
 }
-FLOP_FORMULAS: dict[object, Callable[..., int]] = {op: _flops_of(cost) for op, cost in COST_FORMULAS.items()}
+FLOP_FORMULAS: dict[object, Callable[..., int]] = {
+    torch.ops.ppt.screening: _forward_flops,
+    torch.ops.ppt.screening_backward: _backward_flops,
+}
 # ppt.flops's comparison rule: the pairs the forward op needs (the rule counts a backward as twice its forward)
 PAIR_FORMULAS: dict[object, Callable[..., list[tuple]]] = {torch.ops.ppt.screening: needed_pairs}

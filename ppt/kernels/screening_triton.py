@@ -1,12 +1,10 @@
 """Triton kernels of the screening op (math in ppt/kernels/screening.py's docstring).
 
-A pass that normalizes the values (the op takes them raw: unit rows for the kernels, 1 / |v_j| for the backward),
-then three kernels, one program per (batch row, head, tile), no atomics:
+Three kernels, one program per (batch row, head, tile), no atomics:
   forward : per query tile, loop over the key tiles its window and document reach
   dQ      : same loop; also writes per-program partial sums of d window and d rho (reduced by torch afterwards)
   dK/dV   : per key tile, loop over the query tiles whose window and document reach it; its tiles are (keys x
-            queries), so the products it feeds back into dK and dV need no transpose. It returns the gradient of
-            the raw values: the normalization's backward is its epilogue, with no pass of its own
+            queries), so the products it feeds back into dK and dV need no transpose
 Loop bounds come from the window and the document metadata inside the kernel, so no host sync and no wasted tiles
 outside [max(doc start, i0 - ceil(w) + 1), i1]; tiles wholly inside window and document skip the mask.
 
@@ -45,8 +43,6 @@ DQ_PLAN: Plan = ((None, (32, 16, 2, 3, 96)),)
 DKDV_PLAN: Plan = ((None, (16, 32, 1, 3)),)
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_NORM_EPS = tl.constexpr(1e-12)  # v_j / max(|v_j|, eps): F.normalize's default, as the plain-torch paths
-_NORM_ROWS = 64  # value rows per program of the normalization pass
 _HALF_PI = tl.constexpr(1.5707963267948966)
 
 
@@ -138,17 +134,6 @@ def _store_rows(PTR, x, b, start, T, stride_b, stride_t, col_offset, D: tl.const
     offs = start + tl.arange(0, ROWS)
     ptrs = PTR + b * stride_b + offs[:, None] * stride_t + col_offset + tl.arange(0, D)[None, :]
     tl.store(ptrs, x.to(PTR.dtype.element_ty), mask=(offs < T)[:, None])
-
-
-@triton.jit
-def _normalize_kernel(V, UNIT_V, INV_NORM, n_rows, DV: tl.constexpr, ROWS: tl.constexpr):
-    """v / max(|v|, eps) and 1 / max(|v|, eps) of ROWS rows of the contiguous (rows, DV) values."""
-    offs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ptrs = offs[:, None] * DV + tl.arange(0, DV)[None, :]
-    v = tl.load(V + ptrs, mask=(offs < n_rows)[:, None], other=0.0).to(tl.float32)
-    inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(v * v, axis=1)), _NORM_EPS)
-    tl.store(UNIT_V + ptrs, (v * inv_norm[:, None]).to(UNIT_V.dtype.element_ty), mask=(offs < n_rows)[:, None])
-    tl.store(INV_NORM + offs, inv_norm, mask=offs < n_rows)
 
 
 @triton.jit
@@ -270,7 +255,7 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, INV_NORM, DOUT, DK_OUT, DV_OUT, WINDOW, RHO, DOC_START, DOC_END,
+    Q, K, V, DOUT, DK_OUT, DV_OUT, WINDOW, RHO, DOC_START, DOC_END,
     T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -290,7 +275,7 @@ def _dkdv_kernel(
     first_query = (j0 // BLOCK_M) * BLOCK_M
     last_query = tl.minimum(tl.minimum(j0 + BLOCK_N - 1 + span, T), tl.max(doc_end_j, axis=0) + 1)
     k = _load_rows(K, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
-    v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)  # the unit values
+    v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
     # tiles are (keys x queries): the key tile is fixed and query tiles move, their half angles turning by
     # +BLOCK_M * half_phase per query tile
     key_angle = keys.to(tl.float32) * half_phase
@@ -318,13 +303,6 @@ def _dkdv_kernel(
         dk += tl.dot((g * root * u).to(q.dtype), q, input_precision=PRECISION)  # dL / d(base) / 2 times q
         cos_query, sin_query = _rotate(cos_query, sin_query, cos_step, sin_step)
     _store_rows(DK_OUT, (2.0 * rho) * dk, b, j0, T, stride_b, stride_t, h * DK, DK, BLOCK_N)
-    # dv is the gradient of the unit rows v / |v|; that of the raw rows drops its radial part and divides by |v|
-    # (the clamped norm of a row below eps is constant: no radial part there, as in F.normalize's backward)
-    offs_j = j0 + keys
-    inv_norm = tl.load(INV_NORM + (b * T + offs_j) * H + h, mask=offs_j < T, other=0.0)
-    unit_v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N).to(tl.float32)  # reloaded: no spill
-    radial = tl.where(inv_norm < 1.0 / _NORM_EPS, tl.sum(unit_v * dv, axis=1), 0.0)
-    dv = (dv - unit_v * radial[:, None]) * inv_norm[:, None]
     _store_rows(DV_OUT, dv, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
 
 
@@ -353,19 +331,11 @@ def plan_classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
     return [(lo, _INT32_MAX if limit is None else limit, blocks) for lo, (limit, blocks) in zip(lows, plan)]
 
 
-def normalize_values(v: Tensor) -> tuple[Tensor, Tensor]:
-    """(v / max(|v_j|, eps) in v's dtype, 1 / max(|v_j|, eps) as fp32 (B, T, H)) of the contiguous (B, T, H, dV) v."""
-    unit_v, inv_norm = torch.empty_like(v), torch.empty(v.shape[:-1], device=v.device, dtype=torch.float32)
-    n_rows = inv_norm.numel()
-    _normalize_kernel[(triton.cdiv(n_rows, _NORM_ROWS),)](v, unit_v, inv_norm, n_rows, DV=v.shape[-1], ROWS=_NORM_ROWS)
-    return unit_v, inv_norm
-
-
 def forward_class(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
     span_lo: int, span_hi: int, blocks: Blocks,
 ) -> None:  # fmt: skip
-    """One class's forward launch on unit values v: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
+    """One class's forward launch: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     _forward_kernel[(B * H, triton.cdiv(T, block_m))](
@@ -378,8 +348,8 @@ def dq_class(
     q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dq: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
     span_lo: int, span_hi: int, blocks: Blocks,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """One class's dQ launch on unit values v: writes `dq` for the heads whose span lies in [span_lo, span_hi] and
-    returns their d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials."""
+    """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi] and returns their
+    d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     n_tiles = triton.cdiv(T, block_m)
@@ -395,41 +365,46 @@ def dq_class(
 
 
 def dkdv_class(
-    q: Tensor, k: Tensor, v: Tensor, inv_norm: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, window: Tensor,
-    rho: Tensor, doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, window: Tensor, rho: Tensor,
+    doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
 ) -> None:  # fmt: skip
-    """One class's dK/dV launch on unit values v: writes `dk` and `dv` (of the raw values, whose inverse norms
-    inv_norm are) for the heads whose span lies in [span_lo, span_hi]."""
+    """One class's dK/dV launch: writes `dk` and `dv` for the heads whose span lies in [span_lo, span_hi]."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
-        q, k, v, inv_norm, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v), span_lo, span_hi,
+        q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v), span_lo, span_hi,
         DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
 
 
 def screening_forward(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, plan: Plan | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(h (B, T, H, dV), and for the backward the unit values and their inverse norms, from normalize_values) of the
-    raw values v. Inputs contiguous, validated by the caller (ppt.kernels.screening)."""
-    (unit_v, inv_norm), out = normalize_values(v), torch.empty_like(v)
+) -> Tensor:
+    """h (B, T, H, dV). Inputs contiguous, validated by the caller (ppt.kernels.screening)."""
+    out = torch.empty_like(v)
     for span_lo, span_hi, blocks in plan_classes(plan or FORWARD_PLAN):
-        forward_class(q, k, unit_v, out, window, rho, doc_start, span_lo, span_hi, blocks)
-    return out, unit_v, inv_norm
+        forward_class(q, k, v, out, window, rho, doc_start, span_lo, span_hi, blocks)
+    return out
 
 
 def screening_backward(
-    q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
-    inv_norm: Tensor, grad_out: Tensor, dq_plan: Plan | None = None, dkdv_plan: Plan | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dq, dk, dv, d window, d rho) with v the unit values and inv_norm from screening_forward; dv is that of the
-    raw values. The per-head grads are fp32 sums of per-program partials (deterministic)."""
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: Tensor,
+    rho: Tensor,
+    doc_start: Tensor,
+    doc_end: Tensor,
+    grad_out: Tensor,
+    dq_plan: Plan | None = None,
+    dkdv_plan: Plan | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, d window, d rho); the per-head grads are fp32 sums of per-program partials (deterministic)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     d_window = d_rho = None
     for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
         sums = dq_class(q, k, v, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks)
         d_window, d_rho = sums if d_window is None else (d_window + sums[0], d_rho + sums[1])
     for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
-        dkdv_class(q, k, v, inv_norm, grad_out, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
+        dkdv_class(q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
     return dq, dk, dv, d_window, d_rho
