@@ -16,11 +16,11 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
 # Kernels by name, for those launched outside a custom op or the optimizer's step (first match wins). Inductor's
-# pointwise, persistent and looped reductions come before matmul: their names list the ops fused into them, and one
-# fed by a batched matmul's output ("..._add_bmm_clamp_min_...") is elementwise work, not a matmul.
+# pointwise, persistent and looped reductions come first: their names list the ops fused into them, and one that
+# reads a batched matmul's output ("..._add_bmm_clamp_min_...") or prepares attention's inputs is elementwise work.
 KERNEL_KINDS = [
-    ("attention", r"flex|attn|attention|fmha|flash"),
     ("fused elementwise (inductor)", r"^triton_(poi|per|red)_"),
+    ("attention", r"flex|attn|attention|fmha|flash"),
     ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|mm_|^triton_tem_"),
     ("communication", r"nccl"),
     ("fused elementwise (inductor)", r"^triton_"),
