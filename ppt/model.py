@@ -351,7 +351,10 @@ class MultiscreenBlock(nn.Module):
         # the per-head output scale e^{s_o} multiplies the small per-head w_o rather than the (B, T, H, dV)
         # activations: the same product, and its gradient is a reduction over w_o, not over every token
         w_o = self.w_o * self.s_o.exp()[:, None, None]
-        return x + torch.einsum("bthv,hdv->btd", tanh_norm(h) * gate, w_o)  # residual plus the sum over heads
+        y = torch.einsum("bthv,hdv->btd", tanh_norm(h) * gate, w_o)  # the sum over heads
+        # The residual stream takes the branch's dtype, as in the vanilla decoder: bf16 under autocast (the public
+        # script's bf16 weights keep it in bf16 too), half the bytes of fp32 in its adds and gradient sums.
+        return x.to(y.dtype) + y
 
 
 class MultiscreenLM(nn.Module):
@@ -400,7 +403,7 @@ class MultiscreenLM(nn.Module):
             x = block(x, doc_pos, meta)  # MiPE positions count from each document's start
         # the logit scale e^{s_f} multiplies x (B, T, d), not the logits (B, T, V): the same product, and neither the
         # forward nor the backward spends a pass over the logits on it
-        return head_logits_or_loss(x * self.s_f.exp(), embed, targets, reduction)
+        return head_logits_or_loss(x.float() * self.s_f.exp(), embed, targets, reduction)  # fp32, as the decoder's
 
 
 # ---------------------------------------------------------------------------------------------------------------------
