@@ -333,8 +333,7 @@ def tile_work(kind: str, blocks: tuple, span_range: tuple[int, int], c: dict) ->
                                  per_tile(doc_end, block_n, 0).max(dim=2).values + 1)  # fmt: skip
             tiles += int(ceil_div(last - starts.div(block_m, rounding_mode="floor") * block_m, block_m).sum())
     rows_loaded = block_n if kind in ("forward", "dq") else block_m
-    folded = 2 * dK + 16  # K' or Q' per row (ppt/kernels/screening_triton.py)
-    bytes_per_row = 2 * (folded + dV) + (4 if kind == "dkdv" else 0)  # K' and v (or Q', dout and doc_start)
+    bytes_per_row = 2 * (dK + dV) + (4 if kind == "dkdv" else 0)  # k and v (or q, dout and doc_start)
     return {"tiles": tiles, "pairs": tiles * block_m * block_n, "l2_bytes": tiles * rows_loaded * bytes_per_row}
 
 
@@ -350,9 +349,7 @@ def minimal_bytes(kind: str, c: dict) -> int:
     """Bytes each kernel must move through HBM: every tensor it reads or writes, once (bf16), plus metadata."""
     B, T, H, dK = c["q"].shape
     dV = c["v"].shape[-1]
-    folded = 2 * dK + 16  # K' and Q' per row
-    elements = {"forward": dK + folded + 2 * dV, "dq": 2 * dK + 2 * folded + 2 * dV,
-                "dkdv": 2 * folded + 2 * dV + dK + dV}[kind]  # fmt: skip
+    elements = {"forward": 2 * dK + 2 * dV, "dq": 2 * dK + 2 * dV + dK, "dkdv": 2 * dK + 2 * dV + dK + dV}[kind]
     return 2 * B * T * H * elements + 4 * B * T * (1 if kind != "dkdv" else 2)
 
 
@@ -368,16 +365,14 @@ def class_launch(kind: str, c: dict, span_range: tuple[int, int], blocks: tuple)
     """One class's launch of a kernel on case c, writing into buffers of its own."""
     q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
     doc_start, doc_end = c["meta"]
-    k_folded = kernels.fold_keys(k, w)
     if kind == "forward":
         out = torch.empty_like(v)
-        return lambda: kernels.forward_class(q, k_folded, v, out, w, r, doc_start, *span_range, blocks)
-    q_folded, dq = kernels.folded_empty(q), torch.empty_like(q)
+        return lambda: kernels.forward_class(q, k, v, out, w, r, doc_start, *span_range, blocks)
     if kind == "dq":
-        return lambda: kernels.dq_class(q, k_folded, v, g, dq, q_folded, w, r, doc_start, *span_range, blocks)
-    kernels.dq_class(q, k_folded, v, g, dq, q_folded, w, r, doc_start, *span_range, blocks)  # Q' for the dK/dV pass
+        dq = torch.empty_like(q)
+        return lambda: kernels.dq_class(q, k, v, g, dq, w, r, doc_start, *span_range, blocks)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    return lambda: kernels.dkdv_class(q_folded, k_folded, v, g, dk, dv, w, doc_start, doc_end, *span_range, blocks)
+    return lambda: kernels.dkdv_class(q, k, v, g, dk, dv, w, r, doc_start, doc_end, *span_range, blocks)
 
 
 def time_kernels(plans: dict, c: dict) -> dict[str, float]:

@@ -32,19 +32,10 @@ from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"forward": "_forward_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
 PLANS = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
-POINTERS = {"Q", "K", "QF", "KF", "V", "OUT", "DOUT", "DQ", "DK_OUT", "DV_OUT", "DW_PART", "DRHO_PART"}
+POINTERS = {"Q", "K", "V", "OUT", "DOUT", "DQ", "DK_OUT", "DV_OUT", "DW_PART", "DRHO_PART"}
 POINTER_TYPES = {"WINDOW": "*fp32", "RHO": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32", "DW_PART": "*fp32",
                  "DRHO_PART": "*fp32"}  # fmt: skip
-ALIGNED = {
-    "T",
-    "H",
-    "stride_b",
-    "stride_t",
-    "stride_fb",
-    "stride_ft",
-    "stride_vb",
-    "stride_vt",
-}  # multiples of 16 at the benchmark shape
+ALIGNED = {"T", "H", "stride_b", "stride_t", "stride_vb", "stride_vt"}  # multiples of 16 at the benchmark shape
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
