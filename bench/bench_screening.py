@@ -25,6 +25,9 @@ In order:
   --launch-once  instead of all the above, each kernel of ours and of --baseline launched once on the uniform case,
              the program to profile:  ncu --clock-control none --kernel-name regex:'_(forward|dq|dkdv)_kernel'
              --set full python -m bench.bench_screening --launch-once --baseline FILE
+  --blocks KIND=M,N,WARPS,STAGES[,MAXNREG] ...  instead of all the above, each given kernel's launch over all heads
+             (one class) with those blocks, timed on both packings: a sweep of your own, e.g.
+             --blocks forward=32,16,1,4,168 forward=16,16,1,3,128 dq=32,16,1,2,168 dkdv=16,32,1,3
 The seed's kernel is imported from --ref/multiscreen_gist.py (its wandb import stubbed, nothing trained); copy the
 seed's folder there. --baseline takes a ppt/kernels/screening_triton.py of another commit (`git show
 REV:ppt/kernels/screening_triton.py > .ref/screening_triton_REV.py`), timed on the same inputs.
@@ -79,6 +82,21 @@ MAXNREG = (80, 96, 128, 168)  # register caps tried on the fastest plan's blocks
 PLAN_NAMES = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
 
 
+def kernel_blocks(text: str) -> tuple[str, tuple[int, ...]]:
+    """'dq=32,16,1,2,168' -> ('dq', (32, 16, 1, 2, 168))."""
+    kind, _, numbers = text.partition("=")
+    try:
+        blocks = tuple(int(x) for x in numbers.split(","))
+    except ValueError:
+        blocks = ()
+    if kind not in PLAN_NAMES or len(blocks) not in (4, 5) or min(blocks) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give KIND=BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG] with KIND one of {', '.join(PLAN_NAMES)}, "
+            "e.g. forward=32,16,1,4,168"
+        )
+    return kind, blocks
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=positive_int, default=65536)
@@ -103,6 +121,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="launch each kernel of ours and --baseline once and stop, nothing timed: for Nsight Compute",
     )
     p.add_argument("--optimizer", action="store_true", help="time an Aurora step on multiscreen-d16's parameters")
+    p.add_argument(
+        "--blocks",
+        type=kernel_blocks,
+        nargs="+",
+        help="KIND=BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG] (KIND: forward, dq, dkdv): time these launches and stop",
+    )
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument(
         "--device", default="cuda", help="cuda; cpu only under TRITON_INTERPRET=1 (a smoke test of this script)"
@@ -573,10 +597,23 @@ def launch_once(args: argparse.Namespace) -> None:
     synchronize()
 
 
+def time_blocks(args: argparse.Namespace) -> None:
+    """The launch time of each --blocks entry (one class over all heads), on both packings."""
+    rows = args.tokens // args.row_len
+    for packing in ("uniform", "mixed"):
+        c = make_case(document_lengths(packing, rows, args.row_len, args.seed), args.row_len, args)
+        for kind, blocks in args.blocks:
+            print(f"blocks {packing:<8} {kind:<8} {str(blocks):<22} {time_class(kind, ALL_SPANS, blocks, c):.4f} ms",
+                  flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.launch_once:
         launch_once(args)
+        return
+    if args.blocks:
+        time_blocks(args)
         return
     seed = load_seed(args.ref, args)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, Triton interpreter"

@@ -60,7 +60,7 @@ FROZEN = {
     "scripts.export_hf": ["--model-tag", "--out"],
     "scripts.flops": ["--config", "--batch-size", "--seq-len", "--device"],
     # measurement tools: an outside baseline is a path given on the command line
-    "bench.bench_screening": ["--ref", "--baseline", "--baseline-optim"],
+    "bench.bench_screening": ["--ref", "--baseline", "--baseline-optim", "--blocks"],
     "bench.bench_cross_entropy": ["--tokens", "--sweep"],
     "bench.kernel_stats": ["--kernel-file", "--blocks"],
     "bench.bench_train": ["--config", "--steps", "--compile", "--nproc", "--profile"],
