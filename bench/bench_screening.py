@@ -52,6 +52,7 @@ import triton.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.kernel_stats import parse_blocks  # noqa: E402
 from ppt.common import ArgumentParser, PPTError, nonneg_int, positive_float, positive_int, run_cli  # noqa: E402
 from ppt.kernels import screening_triton as kernels  # noqa: E402
 from ppt.kernels.screening import screening, screening_cost, screening_metadata, screening_reference  # noqa: E402
@@ -83,13 +84,13 @@ PLAN_NAMES = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
 
 
 def kernel_blocks(text: str) -> tuple[str, tuple[int, ...]]:
-    """'dq=32,16,1,2,168' -> ('dq', (32, 16, 1, 2, 168))."""
+    """'dq=32,16,1,2,168' -> ('dq', (32, 16, 1, 2, 168)); the numbers as kernel_stats --blocks reads them."""
     kind, _, numbers = text.partition("=")
     try:
-        blocks = tuple(int(x) for x in numbers.split(","))
-    except ValueError:
-        blocks = ()
-    if kind not in PLAN_NAMES or len(blocks) not in (4, 5) or min(blocks) < 1:
+        blocks = parse_blocks(numbers)
+    except argparse.ArgumentTypeError:
+        blocks = None
+    if kind not in PLAN_NAMES or blocks is None:
         raise argparse.ArgumentTypeError(
             f"{text!r}: give KIND=BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG] with KIND one of {', '.join(PLAN_NAMES)}, "
             "e.g. forward=32,16,1,4,168"

@@ -37,9 +37,9 @@ Plan = tuple[tuple[int | None, Blocks], ...]  # ((largest span of the class, Non
 
 # The fastest blocks for one class at the model's shape (dK 16, dV 64, windows 2..257, 65,536 tokens) in sweeps on
 # an H200 (docs/benchmarks.md). Deep software pipelining (num_stages 3) matters most: the dK/dV pass spent half its
-# cycles waiting on its per-iteration loads with one stage. One warp per 32-query tile, its registers capped at 168
-# (12 resident warps per SM), beat one warp per 16 queries: half the programs, each with two row blocks of MMAs in
-# flight (forward 0.172 -> 0.148 ms, dQ 0.252 -> 0.232 ms).
+# cycles waiting on its per-iteration loads with one stage. One warp per 32-query tile with its registers capped at
+# 168 (12 resident warps per SM in an sm_90 compile) beat one warp per 16 queries on the H200: half the programs,
+# each with two row blocks of MMAs in flight (forward 0.172 -> 0.148 ms, dQ 0.252 -> 0.232 ms).
 FORWARD_PLAN: Plan = ((None, (32, 16, 1, 4, 168)),)
 DQ_PLAN: Plan = ((None, (32, 16, 1, 2, 168)),)
 DKDV_PLAN: Plan = ((None, (16, 32, 1, 3)),)
