@@ -168,10 +168,15 @@ def compile_works(device: torch.device) -> bool:
         return False
 
 
-def maybe_compile(module: torch.nn.Module, choice: str, device: torch.device, mode: str = "default") -> torch.nn.Module:
-    """torch.compile(module, mode=mode) for choice "on", or "auto" on CUDA, where the toolchain works; else module."""
+def compile_enabled(choice: str, device: torch.device) -> bool:
+    """Whether to torch.compile: choice "on", or "auto" on CUDA, and only where the toolchain works."""
     wanted = choice == "on" or (choice == "auto" and device.type == "cuda")
-    return torch.compile(module, mode=mode) if wanted and compile_works(device) else module
+    return wanted and compile_works(device)
+
+
+def maybe_compile(module: torch.nn.Module, choice: str, device: torch.device, mode: str = "default") -> torch.nn.Module:
+    """torch.compile(module, mode=mode) where compile_enabled(choice, device); else module."""
+    return torch.compile(module, mode=mode) if compile_enabled(choice, device) else module
 
 
 # ---- the command line --------------------------------------------------------------------------------------------

@@ -38,9 +38,9 @@ from ppt.common import (
     PPTError,
     Runtime,
     cache_dir,
+    compile_enabled,
     few,
     init_runtime,
-    maybe_compile,
     nonneg_float,
     nonneg_int,
     nonneg_token_count,
@@ -302,7 +302,8 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     lr = args.lr or DEFAULT_LR[args.optimizer]
 
-    optimizer = build_optimizer(model, args.optimizer, lr=lr, weight_decay=args.weight_decay)
+    use_compile = compile_enabled(args.compile, rt.device)
+    optimizer = build_optimizer(model, args.optimizer, lr=lr, weight_decay=args.weight_decay, compile=use_compile)
     train_loader = DataLoader(
         data_dir,
         "train",
@@ -408,8 +409,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     # ---- compile and DDP --------------------------------------------------------------------------------------
     if args.benchmark:
         args.eval_every = args.save_every = 0
-    compiled_model = maybe_compile(model, args.compile, rt.device, args.compile_mode)
-    use_compile = compiled_model is not model
+    compiled_model = torch.compile(model, mode=args.compile_mode) if use_compile else model
     train_model = compiled_model
     find_unused = False
     if rt.distributed:

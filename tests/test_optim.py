@@ -298,3 +298,22 @@ def test_constant_and_bad_schedules():
     with pytest.raises(PPTError, match="total_steps"):
         lr_multiplier(0, 0)
     assert math.isfinite(lr_multiplier(200, 100, 0, "cosine"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["muon", "aurora"])
+def test_compiled_orthogonalization_matches_eager_on_cuda(name):
+    """base_train compiles the orthogonalizations whenever it compiles the model: three steps over Multiscreen's
+    per-head stacks give the eager optimizer's parameters to the bf16 iteration's rounding."""
+    models = [fresh("multiscreen-tiny").cuda() for _ in range(2)]
+    optimizers = [build_optimizer(m, name, compile=compiled) for m, compiled in zip(models, (False, True))]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = {n: torch.randn(p.shape, generator=generator) for n, p in models[0].named_parameters()}
+        for model, optimizer in zip(models, optimizers):
+            for n, p in model.named_parameters():
+                p.grad = grads[n].cuda()
+            optimizer.step()
+    for (n, eager), compiled in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=2e-2, msg=n)
