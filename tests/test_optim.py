@@ -304,8 +304,9 @@ def test_constant_and_bad_schedules():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["muon", "aurora"])
 def test_compiled_orthogonalization_matches_eager_on_cuda(name):
-    """base_train compiles the orthogonalizations whenever it compiles the model: three steps over Multiscreen's
-    per-head stacks give the eager optimizer's parameters to the bf16 iteration's rounding."""
+    """base_train compiles the orthogonalizations (and replays them from CUDA graphs) whenever it compiles the model:
+    three steps over Multiscreen's per-head stacks, each graph replayed on new gradients, give the eager optimizer's
+    parameters to the bf16 iteration's rounding."""
     models = [fresh("multiscreen-tiny").cuda() for _ in range(2)]
     optimizers = [build_optimizer(m, name, compile=compiled) for m, compiled in zip(models, (False, True))]
     generator = torch.Generator().manual_seed(1)
