@@ -169,7 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the same tokens in the same order",
     )
     g.add_argument("--model-seed", type=nonneg_int, help="the initialization of the weights, and nothing else")
-    g.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="torch.compile (auto: on CUDA)")
+    g.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the model, and Muon/Aurora's orthogonalizations (auto: on CUDA)",
+    )
     g.add_argument(
         "--compile-mode",
         choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"],
