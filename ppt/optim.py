@@ -133,7 +133,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         # The orthogonalizations are hundreds of small batched ops (an Aurora step over multiscreen-d16: 144 matmuls
         # among ~800 ops). The step runs right after the loop's host sync, so the GPU idles while the host issues
         # them: compiled and replayed from a CUDA graph per matrix shape, the step's GPU span at multiscreen-d16 on an
-        # H200 fell from 10.9 ms (eager) through 8.4 ms (compiled) to 4.9 ms (docs/benchmarks.md).
+        # H200 fell from 10.9 ms (eager) through 8.4 ms (compiled) to 4.6-6.0 ms (docs/benchmarks.md).
         self.muon_direction = partial(newton_schulz, steps=5, coefficients=MUON_COEFFICIENTS)
         self.aurora_direction = aurora_direction
         if compile:
@@ -260,7 +260,8 @@ def build_optimizer(
     `lr` is the optimizer's main rate (default DEFAULT_LR[name]): every parameter's for "adamw", the matrices' for
     "muon" and "aurora", whose embeddings and scalars take AdamW at `adamw_lr` (scalars at `scalar_lr` if given).
     Weight decay is decoupled and applies to matrices and embeddings, never to scalars. `compile` compiles the
-    muon/aurora orthogonalizations (torch.compile; the training loop passes its own compile choice).
+    muon/aurora orthogonalizations and, on CUDA, replays them from CUDA graphs (the training loop passes its compile
+    choice).
     """
     if name not in OPTIMIZERS:
         raise PPTError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
