@@ -3,7 +3,7 @@
 `StepProfiler(device, first, steps)` records `steps` loop iterations after `first` others and one warm-up; call its
 `step()` at the start of every iteration and `stop()` after the loop. When the recorded iterations are done it prints
 the kernels (CUDA) or ops (CPU) that took the most time and, on CUDA, device time per kind of kernel against the
-iterations' wall time, so that time in which no kernel ran shows up too.
+iterations' wall time, so that time in which no kernel ran shows up too, and where in the step the GPU sat idle.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ KERNEL_KINDS = [
 ]
 CUSTOM_OP = re.compile(r"^ppt::")  # the custom ops of ppt/kernels/ (and any a model registers under ppt::)
 OPTIMIZER_STEP = "Optimizer.step"  # the range torch.optim records around every optimizer's step()
+AUTOGRAD_ENGINE = "autograd::engine::evaluate_function"  # the autograd engine's range around each backward node
 
 
 class StepProfiler:
@@ -72,6 +73,7 @@ class StepProfiler:
         print(f"wall time per iteration: {1000 * wall:.1f} ms over {self.steps} recorded", flush=True)
         if self.cuda:
             print(kernel_time_by_kind(prof, self.steps, wall), flush=True)
+            print(gpu_idle_by_phase(prof, self.steps), flush=True)
 
 
 def kernel_kind(event: object) -> str | None:
@@ -102,4 +104,50 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float) -> str:
     lines = [f"kernels {1000 * busy:.1f} ms per iteration ({100 * busy / wall:.1f}% of the wall time)"]
     for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {kind:40s} {1000 * seconds:8.1f} ms  {100 * seconds / wall:5.1f}%")
+    return "\n".join(lines)
+
+
+def kernel_phase(event: object) -> str:
+    """The part of a training step whose CPU op (or an op around it) launched a kernel: the optimizer's step, the
+    backward (ops the autograd engine runs), or the rest (forward, loss, gradient clipping, copies)."""
+    while event is not None:
+        if event.name.startswith(OPTIMIZER_STEP):
+            return "optimizer"
+        if event.name.startswith(AUTOGRAD_ENGINE):
+            return "backward"
+        event = event.cpu_parent
+    return "forward and the rest"
+
+
+def gpu_idle_by_phase(prof: profile, steps: int, min_gap_us: float = 5.0) -> str:
+    """Time per iteration in which no kernel ran, between the recorded iterations' first and last kernel, by the phase
+    of the kernel that ended each gap (kernel_phase): where the GPU waited for the host. Gaps under min_gap_us (the
+    launch-to-launch spacing of back-to-back kernels) are left out. The profiler slows the host, so these are upper
+    bounds on an unprofiled step's gaps."""
+    # a device event links to the CPU op that launched it by correlation id; those ops are the ones holding kernels
+    launches = {e.id: e for e in prof.events() if e.device_type == DeviceType.CPU and e.kernels}
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start),
+        key=lambda e: e.time_range.start,
+    )
+    if not kernels:
+        return "no kernels recorded"
+    idle: dict[str, float] = {}
+    gaps = 0
+    busy_until = kernels[0].time_range.end
+    for kernel in kernels[1:]:
+        if kernel.time_range.start - busy_until >= min_gap_us:
+            launch = launches.get(getattr(kernel, "linked_correlation_id", None))
+            phase = kernel_phase(launch) if launch else "kernels with no launching op recorded"
+            idle[phase] = idle.get(phase, 0.0) + (kernel.time_range.start - busy_until) / 1e3 / steps
+            gaps += 1
+        busy_until = max(busy_until, kernel.time_range.end)
+    span = (busy_until - kernels[0].time_range.start) / 1e3 / steps
+    total = sum(idle.values())
+    lines = [
+        f"GPU idle {total:.1f} ms per iteration of {span:.1f} ms from first to last kernel ({gaps / steps:.0f} gaps "
+        f"of {min_gap_us:g} us or more an iteration), by the phase each gap ended in:"
+    ]
+    for phase, ms in sorted(idle.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  before {phase:34s} {ms:8.1f} ms")
     return "\n".join(lines)

@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from ppt.profiling import kernel_time_by_kind
+from ppt.profiling import gpu_idle_by_phase, kernel_time_by_kind
 
 
 def op(name: str, parent=None, kernels=(), device: DeviceType = DeviceType.CPU) -> SimpleNamespace:
@@ -46,3 +46,37 @@ def test_kernels_count_once_under_the_op_that_launched_them():
         "fused elementwise (inductor)": 0.3,
         "optimizer": 0.1,
     }
+
+
+def kernel(name: str, start: float, end: float, launched_by: int) -> SimpleNamespace:
+    """A device event: a kernel's interval in microseconds and the correlation id of the CPU op that launched it."""
+    interval = SimpleNamespace(start=start, end=end)
+    return SimpleNamespace(
+        name=name, device_type=DeviceType.CUDA, time_range=interval, linked_correlation_id=launched_by
+    )
+
+
+def launch(name: str, parent, correlation_id: int) -> SimpleNamespace:
+    event = op(name, parent, [("k", 1)])
+    event.id = correlation_id
+    return event
+
+
+def test_gpu_idle_is_split_by_the_phase_of_the_kernel_after_each_gap():
+    step = op("ProfilerStep#3")
+    engine = op("autograd::engine::evaluate_function: CompiledFunctionBackward")
+    optimizer = op("Optimizer.step#HybridOptimizer.step", step)
+    fwd, bwd, opt = launch("aten::mm", step, 1), launch("aten::mm", engine, 2), launch("aten::add_", optimizer, 3)
+    events = [step, engine, optimizer, fwd, bwd, opt,
+              kernel("f", 0, 100, 1), kernel("f", 102, 200, 1),  # 2 us apart: back-to-back launches, not idle
+              kernel("b", 800, 900, 2),  # 600 us idle before the backward
+              kernel("b", 850, 1000, 2),  # overlapping kernels (two streams): no gap
+              kernel("o", 2000, 2100, 3), kernel("o", 2500, 2600, 3),  # 1000 + 400 us before optimizer kernels
+              kernel("f", 2800, 3000, 1),  # 200 us before the next forward
+              kernel("?", 3100, 3200, 99)]  # launched by no recorded op  # fmt: skip
+    report = gpu_idle_by_phase(SimpleNamespace(events=lambda: events), steps=2).splitlines()
+    assert report[0].startswith("GPU idle 1.2 ms per iteration of 1.6 ms from first to last kernel (2 gaps")
+    idle = {line.split("before ")[1].rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in report[1:]}
+    assert idle == {"optimizer": 0.7, "backward": 0.3, "forward and the rest": 0.1,
+                    "kernels with no launching op recorded": 0.1}  # fmt: skip
+    assert gpu_idle_by_phase(SimpleNamespace(events=lambda: [step]), steps=1) == "no kernels recorded"
