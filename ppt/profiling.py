@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
 
 import torch
 from torch.autograd import DeviceType
@@ -76,15 +77,21 @@ class StepProfiler:
             print(gpu_idle_by_phase(prof, self.steps), flush=True)
 
 
+def enclosing_ops(event: object) -> Iterator[object]:
+    """A CPU op, then the ops around it, innermost first."""
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
 def kernel_kind(event: object) -> str | None:
     """The kind every kernel launched inside this CPU op (or an op around it) has: the op's own name for a `ppt::`
     custom op, "optimizer" inside an optimizer's step; None where the kernel's own name decides."""
-    while event is not None:
-        if CUSTOM_OP.match(event.name):
-            return f"{event.name} (custom op)"
-        if event.name.startswith(OPTIMIZER_STEP):
+    for op in enclosing_ops(event):
+        if CUSTOM_OP.match(op.name):
+            return f"{op.name} (custom op)"
+        if op.name.startswith(OPTIMIZER_STEP):
             return "optimizer"
-        event = event.cpu_parent
     return None
 
 
@@ -110,12 +117,11 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float) -> str:
 def kernel_phase(event: object) -> str:
     """The part of a training step whose CPU op (or an op around it) launched a kernel: the optimizer's step, the
     backward (ops the autograd engine runs), or the rest (forward, loss, gradient clipping, copies)."""
-    while event is not None:
-        if event.name.startswith(OPTIMIZER_STEP):
+    for op in enclosing_ops(event):
+        if op.name.startswith(OPTIMIZER_STEP):
             return "optimizer"
-        if event.name.startswith(AUTOGRAD_ENGINE):
+        if op.name.startswith(AUTOGRAD_ENGINE):
             return "backward"
-        event = event.cpu_parent
     return "forward and the rest"
 
 
@@ -125,9 +131,10 @@ def gpu_idle_by_phase(prof: profile, steps: int, min_gap_us: float = 5.0) -> str
     launch-to-launch spacing of back-to-back kernels) are left out. The profiler slows the host, so these are upper
     bounds on an unprofiled step's gaps."""
     # a device event links to the CPU op that launched it by correlation id; those ops are the ones holding kernels
-    launches = {e.id: e for e in prof.events() if e.device_type == DeviceType.CPU and e.kernels}
+    events = prof.events()
+    launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}
     kernels = sorted(
-        (e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start),
+        (e for e in events if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start),
         key=lambda e: e.time_range.start,
     )
     if not kernels:
