@@ -66,7 +66,10 @@ _WRITES = {  # fills and random draws: they write their output and compute nothi
     "rand_like", "randn_like", "randint_like", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
 }  # fmt: skip
 _OVERWRITE_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_"}
-_ELEMENTWISE = {"native_dropout", "native_dropout_backward", "hardswish", "glu", "glu_backward"}  # untagged
+_ELEMENTWISE = {  # untagged
+    "native_dropout", "native_dropout_backward", "hardswish", "glu", "glu_backward", "log_sigmoid_forward",
+    "log_sigmoid_backward",
+}  # fmt: skip
 _SELECTION = {  # move or pick elements: gathers, scatters, copies, concatenation, sorting
     "embedding", "embedding_dense_backward", "index_select", "gather", "index", "_unsafe_index", "take",
     "masked_select", "nonzero", "cat", "stack", "clone", "_to_copy", "copy", "copy_", "lift_fresh_copy", "repeat",
@@ -249,11 +252,12 @@ class _Trace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201 (torch's hook)
         kwargs = kwargs or {}
+        # before the casts, which hand a matmul copies of its parameters (a Linear's bias among them)
+        self.params_used.update(id(t) for t in _tensors((args, kwargs)) if id(t) in self._params)
         if _is_matmul(func):
             args, kwargs = tree_map(self.cast, (args, kwargs))
         out = func(*args, **kwargs)
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        self.params_used.update(id(t) for t in inputs if id(t) in self._params)
         if self.phase == "primal":
             self._propagate(func, args, kwargs, inputs, outputs)
         self._book(func, args, kwargs, out, inputs, outputs)

@@ -180,6 +180,26 @@ def test_custom_op_counts_through_its_registered_formula_with_learned_values(mon
     assert cost(unknown_windows, 1, 8).attention_flops == 100 * 8 * 8  # no values: the formula's upper bound
 
 
+def test_biases_count_as_active_parameters_under_autocast_too():
+    """A bf16 trace casts a matmul's operands, a Linear's bias among them: the bias is still a parameter it reads."""
+
+    class BiasedLM(TiedMLPLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(16, 48)
+
+        def forward(self, idx, targets=None):
+            x = self.embed(idx)
+            x = x + self.down(F.logsigmoid(self.up(x)))
+            return F.cross_entropy(F.linear(x, self.embed.weight).flatten(0, 1).float(), targets.flatten())
+
+    model = BiasedLM()
+    for dtype in (torch.float32, B16):
+        step = cost(model, batch_size=1, seq_len=8, dtype=dtype)
+        assert step.params_active == step.params == sum(p.numel() for p in model.parameters()), dtype
+        assert step.unclassified == {}, dtype  # log_sigmoid's forward and backward are elementwise
+
+
 def test_ops_without_a_class_are_counted_and_listed(capsys):
     class SpectralLM(TiedMLPLM):
         def forward(self, idx, targets=None):
