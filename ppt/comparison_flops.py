@@ -23,8 +23,9 @@ class ComparisonFlops:
     token (N: matmul parameters, a tied head once) plus 3 x every token mixer's forward FLOPs over the (query, key)
     pairs it needs. A query at document position p needs min(reach, p + 1) keys of a head: reach is the row length
     (the whole document prefix) for causal attention, the window for screening. A mixer that no pair formula
-    describes counts at its traced (dense) forward FLOPs per row; `dense` lists those. A model whose forward cannot
-    be traced on meta gets a rule that says why (`untraced`) and counts 6N alone, N estimated from the parameters.
+    describes counts at its traced (dense) forward FLOPs per row; `dense` lists those. A mixer may also declare its
+    pairs itself (ppt.flops.declare_token_mixer). A model whose forward cannot be traced on meta gets a rule that
+    says why (`untraced`) and counts 6N alone, N estimated from the parameters.
     """
 
     seq_len: int
@@ -55,14 +56,20 @@ class ComparisonFlops:
                 f"comparison FLOPs count 6N alone (N = {self.params_matmul:,}, every parameter of 2 or more "
                 f"dimensions) and no token mixer: {self.untraced}"
             )
+        if not self.mixers:
+            return (
+                "comparison FLOPs found no token mixer in the traced forward, so they count 6N alone: the trace finds "
+                "a mixer in matmuls between activations, SDPA, custom ops and declarations, not in elementwise "
+                "products or cumsums. Call ppt.flops.declare_token_mixer in the mixer's forward (docs/flops.md)"
+            )
         if not self.dense:
             return None
         names = ", ".join(f"{mixer['op']} in {mixer['part']}" for mixer in self.dense)
         return (
             f"comparison FLOPs: {names} mixes tokens with matmuls no pair formula describes, so it counts at its dense "
             "traced cost (every pair it computes). To count only the pairs it needs, call "
-            "F.scaled_dot_product_attention(is_causal=True), or make it a custom op with a PAIR_FORMULAS entry "
-            "beside it (docs/flops.md)"
+            "F.scaled_dot_product_attention(is_causal=True), declare them with ppt.flops.declare_token_mixer in its "
+            "forward, or make it a custom op with a PAIR_FORMULAS entry beside it (docs/flops.md)"
         )
 
     def step_flops(self, doc_pos_counts: np.ndarray) -> int:
@@ -108,7 +115,7 @@ def comparison_flops_rule(model: nn.Module, seq_len: int) -> ComparisonFlops:
         params = {id(p): p.numel() for p in model.parameters() if p.ndim >= 2}  # a shared (tied) tensor once
         return ComparisonFlops(seq_len, sum(params.values()), [], untraced=str(exc))
     mixers = []
-    for (op, part), tally in trace.mixers.items():
+    for (op, part), tally in trace.counted_mixers().items():
         mixer: dict = {"op": op, "part": part, "calls": tally["calls"]}
         heads: Counter = Counter()
         for (flops_per_pair, reach), count in tally["heads"].items():

@@ -213,6 +213,7 @@ class _Trace(TorchDispatchMode):
         self.pair_formulas = registered_pair_formulas()
         self.rows = 1  # rows of the traced batch: token mixers are described per row
         self.mixers: dict[tuple[str, str], dict] = {}  # (op, model part) -> how the comparison rule counts it
+        self.declared_parts: set[str] = set()  # parts whose mixer declared its pairs (declare_token_mixer)
         self._params = {id(p): p for p in params}
         self._param_storages = {p.untyped_storage()._cdata for p in params}
         self.params_used: set[int] = set()
@@ -286,6 +287,30 @@ class _Trace(TorchDispatchMode):
         tally["calls"] += 1
         tally["heads"].update(heads or [])
         tally["dense_flops"] += dense_flops / self.rows
+
+    def declare(self, heads: object) -> None:
+        """declare_token_mixer's booking: the running module part's mixer needs these pairs, and nothing else of
+        that part counts as a mixer."""
+        try:
+            checked = [(float(flops_per_pair), float(reach)) for flops_per_pair, reach in heads]
+        except (TypeError, ValueError):
+            checked = []
+        if not checked or any(not (f > 0 and math.isfinite(f)) or not r >= 1 for f, r in checked):
+            raise PPTError(
+                f"declare_token_mixer takes one (forward FLOPs per needed pair > 0, reach >= 1 or math.inf) per head, "
+                f"got {heads!r}"
+            )
+        self.declared_parts.add(_part(self.modules.parents))
+        self.op_name = "declare_token_mixer"
+        self.add_mixer(heads=checked)
+
+    def counted_mixers(self) -> dict[tuple[str, str], dict]:
+        """The mixers the comparison rule counts: in a part with a declaration, the declaration alone."""
+        return {
+            (op, part): tally
+            for (op, part), tally in self.mixers.items()
+            if op == "declare_token_mixer" or part not in self.declared_parts
+        }
 
     def _is_weight_matmul(self, inputs: list[torch.Tensor]) -> bool:
         matrices = [t for t in inputs if t.dtype.is_floating_point and t.dim() >= 2]
@@ -573,6 +598,24 @@ def _meta_twin(t: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
 
 
+_ACTIVE_TRACE: _Trace | None = None  # the trace traced_step is running, for declare_token_mixer
+
+
+def declare_token_mixer(heads: list[tuple[float, float]]) -> None:
+    """For the comparison-FLOPs rule: the pairs the token mixer calling this needs, per row of the batch, one
+    (forward FLOPs per needed pair, reach) per head, as a PAIR_FORMULAS entry gives them. A query at document
+    position p needs min(reach, p + 1) pairs of a head: reach math.inf for causal attention over the whole prefix, the
+    window for a windowed mixer, 1 for a mixer whose cost per query does not grow with its prefix (linear attention,
+    a recurrence, a state-space scan; the pair's FLOPs are then its forward FLOPs per token and head).
+
+    Call it in the mixer module's forward, once a call. Whatever else that module part does is then not counted as a
+    mixer (its matmuls between activations still count for MFU). Outside ppt.flops's trace it only reads a global,
+    so it costs nothing in training and stays inside a torch.compile graph. docs/flops.md has an example.
+    """
+    if _ACTIVE_TRACE is not None:
+        _ACTIVE_TRACE.declare(heads)
+
+
 def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, backward: bool) -> _Trace:
     """Run `model` on meta twins of its tensors under a _Trace: the forward, and the backward when asked."""
     if batch_size < 1 or seq_len < 1:
@@ -590,6 +633,8 @@ def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dt
     idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     targets = torch.zeros_like(idx)
     trace.mark_batch(idx, targets)
+    global _ACTIVE_TRACE
+    outer, _ACTIVE_TRACE = _ACTIVE_TRACE, trace
     with torch.enable_grad(), trace.modules, _RouteAttention(trace), trace:
         try:
             loss = torch.func.functional_call(model, twins, (idx,), {"targets": targets})
@@ -606,6 +651,8 @@ def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dt
                 "runs the model on meta tensors, so keep forward free of value-dependent code (.item(), "
                 "data-dependent shapes)"
             ) from exc
+        finally:
+            _ACTIVE_TRACE = outer
     return trace
 
 

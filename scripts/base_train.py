@@ -491,6 +491,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             "per_token_one_document_per_row": rule.per_token(),
             "traced_at_step": rule_step,
             **rule.state_dict(),
+            **({"warning": rule.warning()} if rule.warning() else {}),  # what the rule cannot count as it says
         },
         wall_time_includes="seconds since this process started training (set-up, compilation, steps, evaluations, "
         "checkpoint writes), plus those of the processes before it up to the checkpoint it resumed from",

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ppt.common import ArgumentParser, PPTError, cache_dir, print0, run_cli
+from ppt.comparison_flops import ComparisonFlops
 
 # What must be equal for numbers to be comparable: (column name, how to read it from a manifest)
 MUST_MATCH: dict[str, Callable[[dict], Any]] = {
@@ -323,11 +324,11 @@ def table(settings: list[Setting], baseline: Setting, differing: list[str]) -> s
     header = ["setting", "seeds", "params", "tokens", "comparison FLOPs", "val bpb",
               f"Δ bpb vs {baseline.label} (95% CI)", "wall time", "tok/s", *differing, *benchmarks]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    untraced = []  # settings whose model could not be traced: their comparison FLOPs count 6N alone
+    flagged = []  # settings whose rule could not count every mixer by its pairs: why
     for setting in settings:
         flops = _mean(setting.final("comparison_flops"))
-        reasons = {(r.manifest.get("comparison_flops_rule") or {}).get("untraced") for r in setting.runs} - {None}
-        untraced += [f"{setting.label}: {sorted(reasons)[0]}"] if reasons else []
+        reasons = {_rule_warning(r.manifest) for r in setting.runs} - {None}
+        flagged += [f"{setting.label}: {sorted(reasons)[0]}"] if reasons else []
         speeds = [s for s in (_median_tok_per_s(r) for r in setting.runs) if s is not None]
         cells = [
             setting.label,
@@ -350,13 +351,19 @@ def table(settings: list[Setting], baseline: Setting, differing: list[str]) -> s
             ]
             cells.append(f"{statistics.fmean(scores):.1f}" if scores else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    if untraced:
-        lines.append(
-            "\n* 6N alone, no token mixer: the forward could not be traced on the meta device ("
-            + "; ".join(untraced)
-            + ")"
-        )
+    if flagged:
+        lines.append("\n* not every token mixer counted by the pairs it needs (" + "; ".join(flagged) + ")")
     return "\n".join(lines)
+
+
+def _rule_warning(manifest: dict) -> str | None:
+    """What a run's comparison-FLOPs rule says it could not count (a failed trace, a mixer counted densely or not
+    found), read from the rule its manifest records."""
+    state = manifest.get("comparison_flops_rule") or {}
+    try:
+        return ComparisonFlops.from_state_dict(state).warning()
+    except (KeyError, TypeError, ValueError):  # a manifest from before the rule was recorded
+        return None
 
 
 # ---- the plot -----------------------------------------------------------------------------------------------------

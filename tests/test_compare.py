@@ -125,6 +125,25 @@ def test_table_groups_seeds_and_reports_means_intervals_and_benchmarks(tmp_path)
     assert table["vanilla (lr=0.01)"]["Δ bpb vs vanilla (lr=0.003) (95% CI)"] == "+0.0800, n/a (one seed)"
 
 
+def test_a_setting_whose_mixer_counted_densely_or_not_at_all_is_marked(tmp_path):
+    """The rule each manifest records says what it could not count by pairs; compare marks those settings."""
+    rule = {"seq_len": 256, "params_matmul": 1000}
+    dense = {**rule, "mixers": [{"op": "bmm", "part": "blocks.attn", "calls": 2, "dense_flops_per_row": 8192}]}
+    paths = [
+        write_manifest(
+            tmp_path, "v", 1.1, comparison_flops_rule={**rule, "mixers": [{"op": "sdpa", "heads": [[64, 256, 4]]}]}
+        ),
+        write_manifest(tmp_path, "d", 1.0, config="dense", comparison_flops_rule=dense),
+        write_manifest(tmp_path, "n", 1.0, config="unseen", comparison_flops_rule={**rule, "mixers": []}),
+    ]
+    text = compare(list(map(str, paths)), baseline="vanilla")
+    table = rows(text.split("\n\n")[0])
+    assert not table["vanilla"]["comparison FLOPs"].endswith("*")
+    assert table["dense"]["comparison FLOPs"].endswith(" *") and table["unseen"]["comparison FLOPs"].endswith(" *")
+    assert "dense: comparison FLOPs: bmm in blocks.attn mixes tokens" in text
+    assert "unseen: comparison FLOPs found no token mixer" in text
+
+
 def test_the_plot_and_the_command_line(tmp_path, capsys):
     paths = [write_manifest(tmp_path, f"v{i}", 1.1 + i / 100, data_seed=i) for i in range(2)]
     paths.append(write_manifest(tmp_path, "s0", 1.0, config="screening"))

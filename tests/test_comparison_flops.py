@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader
+from ppt.flops import declare_token_mixer
 from ppt.model import build_model, get_config
 from scripts import base_train
 
@@ -117,6 +118,69 @@ def test_a_mixer_without_a_pair_formula_counts_densely_and_says_so():
     assert (mixer["op"], mixer["calls"], mixer["dense_flops_per_row"]) == ("bmm", 2, 2 * (2 * 8 * 8 * 16))  # q.k, p.v
     assert rule.per_token() == 6 * (16 * 48 + 64 * 16) + 3 * 2 * (2 * 8 * 8 * 16) / 8
     assert "bmm" in rule.warning() and "PAIR_FORMULAS" in rule.warning()
+
+
+class LinearAttentionLM(nn.Module):
+    """Causal linear attention whose state is built by outer products and a cumsum: no matmul between activations.
+    `declare`: its forward tells the rule what it needs, as a researcher's model.py would."""
+
+    def __init__(self, declare: bool) -> None:
+        super().__init__()
+        self.declare = declare
+        self.embed = nn.Embedding(64, 16)
+        self.qkv = nn.Linear(16, 48, bias=False)
+
+    def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
+        q, k, v = self.qkv(self.embed(idx)).chunk(3, dim=-1)
+        if self.declare:
+            declare_token_mixer([(4 * 16 * 16, 1)])  # one head; per token: the state update k v^T and the read q S
+        state = (k.unsqueeze(-1) * v.unsqueeze(-2)).cumsum(dim=1)  # (B, T, dK, dV)
+        y = (q.unsqueeze(-1) * state).sum(dim=-2)
+        return F.cross_entropy(F.linear(y, self.embed.weight).flatten(0, 1), targets.flatten())
+
+
+class DeclaredEinsumAttentionLM(EinsumAttentionLM):
+    def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
+        declare_token_mixer([(2 * (16 + 16), math.inf)])  # one head over the causal prefix, as SDPA counts
+        return super().forward(idx, targets, doc_pos, reduction)
+
+
+def test_a_mixer_the_trace_cannot_see_is_reported_not_counted_as_zero_silently():
+    rule = comparison_flops_rule(LinearAttentionLM(declare=False), 8)
+    assert rule.mixers == [] and rule.per_token() == 6 * (16 * 48 + 64 * 16)
+    assert "no token mixer" in rule.warning() and "declare_token_mixer" in rule.warning()
+
+
+def test_a_declared_mixer_counts_its_pairs_in_place_of_what_the_trace_saw():
+    doc_pos = np.array([[0, 1, 2, 0, 1, 2, 3, 4]])
+    counts = np.bincount(doc_pos.ravel(), minlength=8)
+    n = 16 * 48 + 64 * 16
+    linear = comparison_flops_rule(LinearAttentionLM(declare=True), 8)
+    assert linear.step_flops(counts) == 6 * n * 8 + 3 * (4 * 16 * 16) * 8  # reach 1: a cost per token
+    assert linear.warning() is None
+    declared = comparison_flops_rule(DeclaredEinsumAttentionLM(), 8)
+    assert [m["op"] for m in declared.mixers] == ["declare_token_mixer"] and declared.dense == []  # no bmm left
+    assert declared.step_flops(counts) == brute_force(doc_pos, n, [(64, math.inf)])
+    assert declared.warning() is None
+
+
+@pytest.mark.parametrize("heads", [[], [(0, 1)], [(64, 0.5)], [(float("nan"), 1)], [64]])
+def test_a_bad_declaration_is_refused_by_name(heads):
+    class BadLM(LinearAttentionLM):
+        def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
+            declare_token_mixer(heads)
+            return super().forward(idx, targets)
+
+    rule = comparison_flops_rule(BadLM(declare=False), 8)
+    assert "declare_token_mixer takes one" in rule.untraced
+
+
+def test_declare_token_mixer_does_nothing_in_training_and_compiles_into_one_graph():
+    torch.manual_seed(0)
+    model = LinearAttentionLM(declare=True)
+    idx = torch.randint(0, 64, (2, 8))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # a graph break would raise
+    assert torch.equal(compiled(idx, idx), LinearAttentionLM.forward(model, idx, idx))
 
 
 @torch.library.custom_op("ppt_test::window_mix", mutates_args=())

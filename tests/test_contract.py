@@ -10,6 +10,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -232,21 +233,25 @@ def test_the_fixed_optimizer_lowers_the_loss_of_a_repeated_batch(name, optimizer
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_the_forward_runs_on_meta_so_flops_are_traced(name):
-    """Optional (SPEC.md): a forward with value-dependent code still trains, but without MFU, and its comparison
-    FLOPs count 6N alone. The shipped architectures and tests/third_arch.py all trace."""
+def test_the_forward_runs_on_meta_so_flops_are_traced_and_its_mixers_found(name):
+    """Expected (SPEC.md): a forward that cannot be traced, or whose token mixer the trace cannot see, still trains,
+    but its comparison FLOPs count 6N alone, which no comparison should rest on. A mixer the rule counts at its dense
+    traced cost is allowed and passes with that warning."""
     model = fresh(name)
     assert cost(model, batch_size=1, seq_len=16).params_matmul > 0
     rule = comparison_flops_rule(model, seq_len=16)
-    assert rule.untraced is None and rule.warning() is None, rule.warning()
+    assert rule.untraced is None and rule.mixers, rule.warning()
+    if rule.warning():
+        warnings.warn(f"{name}: {rule.warning()}", stacklevel=1)
 
 
 # ---- discovery -------------------------------------------------------------------------------------------------------
 
 
 def test_an_architecture_added_to_model_py_runs_in_every_contract_test():
-    """tests/third_arch.py, added to ppt/model.py for the test run, is found and tested like the shipped two."""
-    assert ARCHITECTURES == ["gpt2-tiny", "multiscreen-tiny", "tiny"]
+    """tests/third_arch.py, added to ppt/model.py for the test run, is found and tested like the shipped two (and so
+    is any architecture a fork adds)."""
+    assert {"gpt2-tiny", "multiscreen-tiny", "tiny"} <= set(ARCHITECTURES)
     marks = {name: getattr(test, "pytestmark", []) for name, test in globals().items() if name.startswith("test_")}
     contract_tests = [name for name, found in marks.items() if any(m.args[1] is ARCHITECTURES for m in found)]
     assert len(contract_tests) >= 10, contract_tests
