@@ -55,6 +55,12 @@ def other_tokens(idx: torch.Tensor, vocab_size: int, generator: torch.Generator)
 
 
 @torch.no_grad()
+def changed_by(after: torch.Tensor, before: torch.Tensor) -> str:
+    """How far logits moved, for a leak's message: bit-exact isolation is the rule, and a change of ~1e-7 says the
+    mixer's arithmetic crosses the boundary (a cumsum over the whole row, say) rather than its math."""
+    return f"largest change {float((after - before).abs().max()):.3g}"
+
+
 def logits(model: torch.nn.Module, idx: torch.Tensor, doc_pos: torch.Tensor | None = None) -> torch.Tensor:
     return model(idx, doc_pos=doc_pos)
 
@@ -145,7 +151,10 @@ def test_no_information_from_the_future(name, training):
     base = logits(model, idx)
     for t in (0, 9, T - 2):
         changed = torch.cat([idx[:, : t + 1], other_tokens(idx[:, t + 1 :], V, g)], dim=1)
-        assert torch.equal(logits(model, changed)[:, : t + 1], base[:, : t + 1]), f"position {t} sees later tokens"
+        out = logits(model, changed)[:, : t + 1]
+        assert torch.equal(out, base[:, : t + 1]), (
+            f"position {t} sees later tokens ({changed_by(out, base[:, : t + 1])})"
+        )
     changed = torch.cat([other_tokens(idx[:, :-1], V, g), idx[:, -1:]], dim=1)
     assert not torch.equal(logits(model, changed)[:, -1], base[:, -1]), "the last position ignores its past"
 
@@ -166,7 +175,8 @@ def test_no_information_across_documents(name):
         out = logits(model, changed, doc_pos)
         outside = torch.ones(idx.shape[1], dtype=torch.bool)
         outside[start:end] = False
-        assert torch.equal(out[:, outside], base[:, outside]), f"document [{start}, {end}) leaks into another"
+        leak = changed_by(out[:, outside], base[:, outside])
+        assert torch.equal(out[:, outside], base[:, outside]), f"document [{start}, {end}) leaks into another ({leak})"
         assert not torch.equal(out[:, end - 1], base[:, end - 1]), f"document [{start}, {end}) ignores its tokens"
 
 
