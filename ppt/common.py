@@ -8,6 +8,7 @@ import argparse
 import inspect
 import math
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -96,12 +97,24 @@ class Runtime:
         return self.world_size > 1
 
 
+def checked_device(name: str) -> torch.device:
+    """A --device value as a torch.device that this machine has."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise PPTError(f"--device {name!r} is not a device name; use cpu, cuda, cuda:N or mps") from exc
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(dev.type, False):
+        raise PPTError(f"--device {name}: this machine has no {dev.type} device; leave --device out to autodetect")
+    return dev
+
+
 def init_runtime(device: str | None = None) -> Runtime:
     """Read torchrun's RANK/LOCAL_RANK/WORLD_SIZE, start the process group when world > 1, pick device and dtype."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device(device) if device else autodetect_device()
+    dev = checked_device(device) if device else autodetect_device()
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
@@ -238,6 +251,18 @@ positive_int = Number(int, 1)
 nonneg_int = Number(int, 0)
 positive_float = Number(float, 0, math.inf, above=True)
 nonneg_float = Number(float, 0, math.inf)
+
+
+def run_tag(text: str) -> str:
+    """An argparse `type=` for a run name: it names a directory and a file, so letters, digits and . _ + - only, not
+    starting with a dot (no path of its own, nothing hidden)."""
+    if not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a run name: use letters, digits and . _ + - (not starting with a dot)"
+        )
+    return text
+
+
 MAX_TOKENS = 10**15  # a thousand trillion tokens: far past any run, and an int64 product with any batch
 token_count = Number(int, 1, MAX_TOKENS, scientific=True)
 nonneg_token_count = Number(int, 0, MAX_TOKENS, scientific=True)

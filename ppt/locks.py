@@ -94,6 +94,15 @@ def _describe_owner(owner: dict) -> str:
     )
 
 
+def directory_user(directory: Path) -> str | None:
+    """Who holds `directory`'s lock, described, if a live process (or one on another host) does; else None."""
+    lock_file = Path(directory) / LOCK_NAME
+    owner = _read_owner(lock_file, str(directory)) if lock_file.is_file() else None
+    if owner is None or (owner.get("host") == socket.gethostname() and not _owner_alive(owner)):
+        return None
+    return _describe_owner(owner)
+
+
 def lock_directory(directory: Path, fix: str) -> Lock:
     """Give this process sole use of `directory` (created if missing) through `directory/.ppt.lock`."""
     directory = Path(directory)

@@ -263,7 +263,7 @@ def new_meta(
         "settings": settings,
         "val": {"shards": 0, "docs": 0, "tokens": 0},
         "train": {"shards": 0, "docs": 0, "tokens": 0},
-        "progress": {"docs_consumed": 0, "exhausted": False},
+        "progress": {"docs_consumed": 0, "exhausted": False, "complete": False},  # complete: this prepare finished
     }
 
 

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from ppt.common import PPTError, atomic_file, cache_dir
+from ppt.locks import directory_user
 from ppt.tokenizer import Tokenizer, load_tokenizer
 
 MAGIC = b"PPTSHARD"
@@ -217,6 +218,20 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise PPTError(f"{path} is not valid JSON ({exc}); delete the data directory and re-run prepare") from exc
+
+
+def check_prepared(data_dir: str | Path) -> str | None:
+    """Refuse a data directory that a prepare is writing now (its shard list would change under the loader); return
+    a warning for one whose prepare stopped before it finished (meta.json's progress.complete is false)."""
+    if user := directory_user(Path(data_dir)):
+        raise PPTError(f"{data_dir} is being written by a prepare ({user}); train on it once that has finished")
+    meta = read_meta(data_dir)
+    if meta.get("progress", {}).get("complete") is False:  # absent in directories prepared before it was recorded
+        return (
+            f"the prepare of {data_dir} stopped before it finished ({meta['train']['shards']} train shards); training "
+            "on what is there. Rerun the same prepare command to finish it"
+        )
+    return None
 
 
 def write_meta(data_dir: str | Path, meta: dict[str, Any]) -> None:

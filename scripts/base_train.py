@@ -33,6 +33,7 @@ import torch
 
 from ppt import checkpoint as ckpt
 from ppt.common import (
+    MAX_TOKENS,
     ArgumentParser,
     Number,
     PPTError,
@@ -48,6 +49,7 @@ from ppt.common import (
     positive_int,
     print0,
     run_cli,
+    run_tag,
     shutdown_runtime,
     token_count,
     warn0,
@@ -63,7 +65,7 @@ from ppt.model import CONFIGS, DEFAULT_CONFIG, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.report import RunReport
-from ppt.shards import default_data_dir, load_data_tokenizer
+from ppt.shards import check_prepared, default_data_dir, load_data_tokenizer
 
 # Published recipes, as their public configurations state them; flags given beside --recipe override single values.
 MOR_BATCH_TOKENS = 2_097_152  # 1024 rows of 2048 tokens
@@ -126,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("optimization")
     g.add_argument("--optimizer", choices=["adamw", "muon", "aurora"], default="adamw")
-    g.add_argument("--lr", type=positive_float, help="peak learning rate (default per optimizer)")
+    g.add_argument(
+        "--lr", type=Number(float, 0, 1e6, above=True), help="peak learning rate (default per optimizer)"
+    )  # bounded: past ~3e38 an fp32 optimizer step overflows; far below that no run learns
     g.add_argument("--weight-decay", type=nonneg_float, default=0.1)
     g.add_argument("--schedule", choices=["constant", "cosine", "wsd"], default="wsd")
     g.add_argument(
@@ -146,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm (0 disables)")
     g.add_argument("--skip-nonfinite", type=nonneg_int, default=0, help="skip up to N steps whose loss/grad is NaN/inf")
     g = p.add_argument_group("run")
-    g.add_argument("--tag", help="checkpoint/report name (default: the config name or d<depth>)")
+    g.add_argument("--tag", type=run_tag, help="checkpoint/report name (default: the config name or d<depth>)")
     g.add_argument("--out-dir", type=Path, help="checkpoint dir (default <cache>/checkpoints/<tag>)")
     g.add_argument("--eval-every", type=nonneg_int, default=250, help="steps between val bpb (0: only at the end)")
     g.add_argument(
@@ -239,11 +243,40 @@ def relaunch_defaults(path: Path, parser: argparse.ArgumentParser) -> dict[str, 
             f"cannot relaunch from {path} ({type(exc).__name__}: {exc}); pass the JSON manifest base_train wrote for "
             "the run (<cache>/reports/<tag>.json or beside its checkpoints)"
         ) from exc
-    known = {action.dest for action in parser._actions}
-    unknown = sorted(set(recorded) - known)
+    if not isinstance(recorded, dict):
+        raise PPTError(f"{path}'s 'args' is not a mapping of settings; pass the JSON manifest base_train wrote")
+    actions = {action.dest: action for action in parser._actions}
+    unknown = sorted(set(recorded) - set(actions))
     if unknown:
         warn0(f"{path} records settings this base_train does not have, ignored: {', '.join(unknown)}")
-    return {k: v for k, v in recorded.items() if k in known and k not in NOT_RELAUNCHED}
+    return {
+        k: checked_setting(path, actions[k], v) for k, v in recorded.items() if k in actions and k not in NOT_RELAUNCHED
+    }
+
+
+def checked_setting(path: Path, action: argparse.Action, value: Any) -> Any:
+    """A recorded value through its flag's own checks, which parser defaults skip (a hand-edited manifest)."""
+    if value is None or isinstance(value, bool):
+        return value
+    flag = action.option_strings[0] if action.option_strings else action.dest
+    try:
+        if isinstance(action.type, Number):  # the range only: a derived setting (warmup tokens) need not be whole
+            dataclasses.replace(action.type, kind=float, scientific=False)(str(value))
+        elif action.type:
+            value = action.type(str(value))
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+        raise PPTError(f"{path} records {flag} {value!r}, which {flag} refuses: {exc}; fix it or give {flag}") from exc
+    if action.choices is not None and value not in action.choices:
+        raise PPTError(f"{path} records {flag} {value!r}, not one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def saved_batch_tokens(state: dict[str, Any]) -> int | None:
+    """The tokens per step a checkpoint trained at: recorded, or (older checkpoints) its tokens over its steps."""
+    if "total_batch_tokens" in state:
+        return state["total_batch_tokens"]
+    steps = state["step"] - state.get("skipped_nonfinite_steps", 0)  # a skipped step trains no tokens
+    return state["tokens"] // steps if steps > 0 and state["tokens"] % steps == 0 else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -279,6 +312,8 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     config = get_config(args.config, args.depth)
     data_dir = args.data_dir or default_data_dir()
     tokenizer = load_data_tokenizer(data_dir)
+    if unfinished := check_prepared(data_dir):
+        warn0(unfinished)
     if tokenizer.vocab_size != config.vocab_size:
         print0(
             f"note: vocab_size {config.vocab_size} -> {tokenizer.vocab_size} to match {tokenizer.name} in {data_dir}"
@@ -298,6 +333,11 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             f"({device_batch} x {seq_len} x {rt.world_size} = {tokens_per_micro}); choose sizes that divide"
         )
     grad_accum = total_batch // tokens_per_micro
+    if not args.benchmark and args.eval_tokens < seq_len * rt.world_size:  # found before training, not after it
+        raise PPTError(
+            f"--eval-tokens {args.eval_tokens} is less than one row of --seq-len {seq_len} per rank ({rt.world_size} "
+            f"ranks): raise --eval-tokens to at least {seq_len * rt.world_size}"
+        )
 
     # ---- model, built on meta then materialized, so a 360M model never allocates twice ------------------------
     with torch.device("meta"):
@@ -344,6 +384,12 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         chosen = [resume_path]
         torch.distributed.broadcast_object_list(chosen, src=0)
         resume_path = chosen[0]
+    earlier = ckpt.list_checkpoints(out_dir) if rt.is_master and not args.benchmark and resume_path is None else []
+    if earlier:  # a fresh run here would prune the new checkpoints and evaluate the earlier run's
+        raise PPTError(
+            f"{out_dir} holds checkpoints of an earlier run (up to step {earlier[-1][0]}); continue it with --resume "
+            "auto, or give this run another --tag or --out-dir"
+        )
     if resume_path is not None:
         state = ckpt.load_checkpoint(resume_path, map_location=rt.device)
         saved_config = state["config"]
@@ -351,6 +397,11 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             saved_config = {TRAIN_LENGTH_FIELD: state["loader"]["seq_len"], **saved_config}
         if diff := ckpt.config_mismatch(saved_config, config_dict):
             raise PPTError(f"checkpoint {resume_path} is from another config: " + "; ".join(diff))
+        if (saved_batch := saved_batch_tokens(state)) not in (None, total_batch):
+            raise PPTError(
+                f"checkpoint {resume_path} trained at --total-batch-tokens {saved_batch}, not {total_batch}: its "
+                f"schedule and data order would not continue; resume with --total-batch-tokens {saved_batch}"
+            )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         train_loader.load_state_dict(state["loader"])
@@ -396,6 +447,11 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             "target_tokens": int(args.target_flops / per_token),
         }
     target_tokens = int(budget["target_tokens"] if args.target_flops else args.target_tokens or 20 * n_params)
+    if target_tokens > MAX_TOKENS:
+        raise PPTError(
+            f"--target-flops {args.target_flops:g} is {target_tokens:.3g} tokens for this model, more than the "
+            f"{MAX_TOKENS:.0e} any run can count; lower --target-flops"
+        )
     if target_tokens < total_batch:
         given = (
             f"--target-flops {args.target_flops:g} ({target_tokens} tokens)"
@@ -553,6 +609,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
                 "loader": train_loader.state_dict(),
                 "rng": ckpt.rng_state(),
                 "tokens": tokens_seen,
+                "total_batch_tokens": total_batch,
                 "history": report.history,
                 "skipped_nonfinite_steps": skipped,
                 "tokenizer_fingerprint": tokenizer.fingerprint,

@@ -343,6 +343,7 @@ def prepare_into(args: argparse.Namespace, kind: str, out: Path, files: list[Pat
                 tokenizer.save(out)
                 write_meta(out, meta)
         remove_leftovers(out, meta)
+        meta["progress"]["complete"] = False  # until this run finishes (written with the next shard)
 
         start = time.perf_counter()
         encoded = encode_in_order(batched(stream, DOCS_PER_TASK), tokenizer, pool, args.workers)
@@ -362,6 +363,9 @@ def prepare_into(args: argparse.Namespace, kind: str, out: Path, files: list[Pat
             raise
         finally:
             progress.close()
+    meta["progress"]["complete"] = True
+    with disk_errors(out / "meta.json", writer.shard_bytes()):
+        write_meta(out, meta)
     elapsed = time.perf_counter() - start
     print(
         f"wrote {writer.tokens_written:,} tokens in {elapsed:.1f}s ({writer.tokens_written / elapsed:,.0f} tokens/s, "

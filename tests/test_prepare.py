@@ -71,7 +71,7 @@ def test_jsonl_prepare_keeps_every_document_once_in_order(tmp_path, tokenizer_pa
     meta = read_meta(out)
     assert meta["val"]["shards"] == 1 and meta["train"]["shards"] >= 3
     assert meta["val"]["docs"] + meta["train"]["docs"] == len(nonempty)
-    assert meta["progress"] == {"docs_consumed": len(docs), "exhausted": True}
+    assert meta["progress"] == {"docs_consumed": len(docs), "exhausted": True, "complete": True}
     assert meta["tokenizer"]["is_demo"] is False and meta["tokenizer"]["name"] == str(tokenizer_path)
 
     tok = load_data_tokenizer(out)

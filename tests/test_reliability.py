@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ from ppt import locks
 from ppt.common import PPTError
 from ppt.model import build_model, get_config
 from ppt.report import RunReport
-from ppt.shards import read_shard, write_shard
+from ppt.shards import read_meta, read_shard, write_meta, write_shard
 from scripts import base_train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -314,6 +315,22 @@ def test_a_checkpoint_write_that_fills_the_disk_keeps_the_previous_checkpoint(de
     assert not list(out.glob(".*.tmp"))
 
 
+def test_data_whose_prepare_stopped_early_trains_with_a_warning(demo_data_dir, tmp_path, capsys):
+    """prepare marks meta.json complete when it finishes; a directory it left unfinished trains, and says so."""
+    assert read_meta(demo_data_dir)["progress"]["complete"] is True
+    data = tmp_path / "data"
+    shutil.copytree(demo_data_dir, data)
+    meta = read_meta(data)
+    meta["progress"]["complete"] = False
+    write_meta(data, meta)
+    train(train_argv(data, tmp_path / "out", "unfinished", "--max-steps", "1"))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "stopped before it finished" in line]
+    assert warnings == [
+        f"warning: the prepare of {data} stopped before it finished ({meta['train']['shards']} train shards); "
+        "training on what is there. Rerun the same prepare command to finish it"
+    ]
+
+
 def test_too_little_free_space_fails_before_training(demo_data_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "checkpoints"
     almost_full = types.SimpleNamespace(total=10**9, used=10**9 - 10**6, free=10**6)
@@ -531,6 +548,36 @@ BAD_INPUT = [
     pytest.param("base_train", [*TRAIN, "--tag", "busy-tag"], {},
                  r"the run name 'busy-tag' is in use by another run: pid \d+ .*; wait for it, or give this run "
                  r"another --tag$", id="train-tag-in-use"),
+    pytest.param("base_train", [*TRAIN, "--out-dir", "{work}/tiny"], {},
+                 r"tiny holds checkpoints of an earlier run \(up to step 1\); continue it with --resume auto, or give "
+                 r"this run another --tag or --out-dir$", id="train-fresh-run-over-an-earlier-one"),
+    pytest.param("base_train", [*TRAIN, "--resume", "{work}/batch128/step_00000004.pt"], {},
+                 r"trained at --total-batch-tokens 128, not 64: .*resume with --total-batch-tokens 128$",
+                 id="train-resume-other-batch"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/preparing"], {},
+                 r"preparing is being written by a prepare \(pid \d+ .*\); train on it once that has finished$",
+                 id="train-data-being-prepared"),
+    pytest.param("base_train", [*TRAIN, "--eval-tokens", "10"], {},
+                 r"--eval-tokens 10 is less than one row of --seq-len 32 per rank \(1 ranks\): raise --eval-tokens "
+                 r"to at least 32$", id="train-eval-budget-below-a-row"),
+    pytest.param("base_train", [*TRAIN, "--device", "gpu0"], {},
+                 r"--device 'gpu0' is not a device name; use cpu, cuda, cuda:N or mps$", id="train-bad-device"),
+    pytest.param("base_train", [*TRAIN, "--device", "xla"], {},
+                 r"--device xla: this machine has no xla device; leave --device out to autodetect$",
+                 id="train-absent-device"),
+    pytest.param("base_train", [*TRAIN, "--tag", "../escape"], {},
+                 r"argument --tag: '\.\./escape' is not a run name: use letters, digits and \. _ \+ -",
+                 id="train-tag-with-a-path"),
+    pytest.param("base_train", [*TRAIN, "--lr", "1e300"], {},
+                 r"argument --lr: '1e300' is not a finite number > 0 and <= 1e6", id="train-absurd-lr"),
+    pytest.param("base_train", [*TRAIN, "--target-flops", "1e300"], {},
+                 r"--target-flops 1e\+300 is .* tokens for this model, more than the 1e\+15 any run can count",
+                 id="train-absurd-flops-budget"),
+    pytest.param("base_train", [*TRAIN, "--from-manifest", "{work}/negative_lr.json"], {},
+                 r"negative_lr\.json records --lr -1\.0, which --lr refuses: '-1\.0' is not a finite number > 0",
+                 id="train-manifest-with-a-bad-value"),
+    pytest.param("base_train", [*TRAIN, "--from-manifest", "{work}/args_list.json"], {},
+                 r"args_list\.json's 'args' is not a mapping of settings", id="train-manifest-args-not-a-mapping"),
     # scripts.base_eval
     pytest.param("base_eval", ["--model-tag", "never-trained", "--skip-tasks"], {},
                  r"no checkpoint for tag 'never-trained' in .*; runs under .*checkpoints: some-run; train it or pass "
@@ -588,6 +635,13 @@ def make_bad_inputs(work: Path, data: Path) -> None:
         lock_file.parent.mkdir(parents=True)
         lock_file.write_text(json.dumps(owner))
     (work / "cache" / "checkpoints" / "leftover").mkdir(parents=True)
+    preparing = work / "preparing"  # a data directory a live prepare (this process) is still writing
+    preparing.mkdir()
+    for source in [data / "meta.json", data / "tokenizer.json", *data.glob("*_00000.bin")]:
+        (preparing / source.name).write_bytes(source.read_bytes())
+    (preparing / locks.LOCK_NAME).write_text(json.dumps({**owner, "argv": ["prepare_fineweb"]}))
+    (work / "negative_lr.json").write_text(json.dumps({"args": {"lr": -1.0}}))
+    (work / "args_list.json").write_text(json.dumps({"args": ["x"]}))
 
     meta = json.loads((data / "meta.json").read_text())["tokenizer"]
     config = dataclasses.replace(get_config("tiny"), vocab_size=meta["vocab_size"])
@@ -600,6 +654,7 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     payload = {"model": model.state_dict(), "config": {"class": type(config).__name__, **dataclasses.asdict(config)}}
     ckpt.save_checkpoint(work / "tiny", 1, {**payload, "tokenizer_fingerprint": meta["fingerprint"]})
     ckpt.save_checkpoint(work / "cache" / "checkpoints" / "some-run", 1, payload)
+    ckpt.save_checkpoint(work / "batch128", 4, {**payload, "tokens": 4 * 128, "total_batch_tokens": 128})
 
 
 def entry_points(suffix: str) -> list[str]:
