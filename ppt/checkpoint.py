@@ -75,6 +75,8 @@ def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: i
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise PPTError(f"checkpoint {path} is a directory; pass a step_*.pt file in it, or --resume auto")
     if not path.is_file():
         raise PPTError(f"checkpoint {path} does not exist; pass a step_*.pt file or --resume auto")
     with open(path, "rb") as f:

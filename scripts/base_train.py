@@ -465,6 +465,11 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     total_steps = target_tokens // total_batch
     last_step = min(total_steps, args.max_steps or total_steps)  # --max-steps stops early; the schedule is unchanged
     warmup_tokens = 0.01 * target_tokens if args.warmup_tokens is None else args.warmup_tokens
+    if warmup_tokens > target_tokens:
+        raise PPTError(
+            f"--warmup-tokens {warmup_tokens:g} is more than the run's {target_tokens} tokens: the learning rate would "
+            "never reach its peak; lower --warmup-tokens"
+        )
     warmup_steps = round(warmup_tokens / total_batch)
 
     # ---- compile and DDP --------------------------------------------------------------------------------------

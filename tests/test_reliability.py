@@ -557,6 +557,12 @@ BAD_INPUT = [
     pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/preparing"], {},
                  r"preparing is being written by a prepare \(pid \d+ .*\); train on it once that has finished$",
                  id="train-data-being-prepared"),
+    pytest.param("base_train", [*TRAIN, "--resume", "{work}/batch128"], {},
+                 r"checkpoint .*batch128 is a directory; pass a step_\*\.pt file in it, or --resume auto$",
+                 id="train-resume-a-directory"),
+    pytest.param("base_train", [*TRAIN, "--target-tokens", "640", "--warmup-tokens", "1000"], {},
+                 r"--warmup-tokens 1000 is more than the run's 640 tokens: .*lower --warmup-tokens$",
+                 id="train-warmup-past-the-budget"),
     pytest.param("base_train", [*TRAIN, "--eval-tokens", "10"], {},
                  r"--eval-tokens 10 is less than one row of --seq-len 32 per rank \(1 ranks\): raise --eval-tokens "
                  r"to at least 32$", id="train-eval-budget-below-a-row"),
