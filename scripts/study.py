@@ -43,6 +43,7 @@ bpb against comparison FLOPs, one line per architecture with its seed spread.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -52,14 +53,18 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ppt.common import ArgumentParser, PPTError, atomic_file, positive_int, run_cli
+from scripts import base_train
 from scripts.compare import compare
 
 # Flags the runner sets itself for every run; a grid that passes them would make runs that are not what they say.
 OWNED_FLAGS = ("--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops", "--target-tokens",
                "--tag", "--out-dir", "--resume", "--from-manifest")  # fmt: skip
+# The grid key each owned flag's value comes from, for a value base_train refuses
+OWNED_KEYS = {"--data-seed": "`data_seed`", "--model-seed": "`model_seeds` or [sweep] `model_seeds`",
+              "--lr": "`lrs`", "--target-flops": "`budgets` or [sweep] `budget`"}  # fmt: skip
 GRID_KEYS = ("name", "data_dir", "data_seed", "model_seeds", "budgets", "baseline", "args", "sweep", "arch")
 POLL_S = 0.5
 
@@ -166,7 +171,7 @@ def load_grid(path: Path) -> Grid:
     sweep = raw.get("sweep", {})
     if not isinstance(sweep, dict) or set(sweep) - {"budget", "model_seeds"}:
         raise _fail(path, f"[sweep] takes `budget` and `model_seeds`, got {sweep!r}")
-    return Grid(
+    grid = Grid(
         name=str(raw.get("name", Path(path).stem)),
         data_dir=Path(raw["data_dir"]).expanduser(),
         data_seed=_number(path, raw, "data_seed", int, 0),
@@ -178,6 +183,33 @@ def load_grid(path: Path) -> Grid:
         sweep_budget=_number(path, sweep, "budget", float, budgets[0]),
         sweep_seeds=_numbers(path, sweep, "model_seeds", int, model_seeds[:1]),
     )
+    _check_commands(path, grid)
+    return grid
+
+
+class _Refused(Exception):
+    pass
+
+
+def _refuse(message: str) -> NoReturn:
+    raise _Refused(message)
+
+
+def _check_commands(path: Path, grid: Grid) -> None:
+    """Parse every command the study may run as base_train will, so a value it refuses stops the study before any
+    run starts, not in a run's log."""
+    parser = base_train.build_parser()
+    parser.error = _refuse  # raise, where base_train's parser prints and exits
+    seeds, budgets = sorted({*grid.model_seeds, *grid.sweep_seeds}), sorted({*grid.budgets, grid.sweep_budget})
+    for arch in grid.archs:
+        for lr, seed, budget in itertools.product(arch.lrs, seeds, budgets):
+            run = Run(arch.name, budget, lr, seed, "grid")
+            try:
+                parser.parse_args(run_argv(grid, arch, run, Path("out")))
+            except _Refused as exc:
+                key = next((k for flag, k in OWNED_KEYS.items() if f"argument {flag}:" in str(exc)), None)
+                fix = key or f"`args` or [arch.{arch.name}] args"
+                raise _fail(path, f"base_train refuses run {run.name}: {exc}; fix {fix}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -238,11 +270,13 @@ class Outcome:
     status: str  # "finished", "skipped" (finished earlier), "diverged", "failed"
     seconds: float = 0.0
     log: Path | None = None
+    error: str | None = None  # the run's own `error:` line, when it stopped on bad input (exit 2)
 
 
 def execute(runs: list[Run], out: Path, grid: Grid, jobs: int) -> list[Outcome]:
     """Run what is not finished, `jobs` at a time; a non-finite loss (exit 2 naming it) is a diverged run, which the
-    sweep scores as infinitely bad; any other failure is reported with its log."""
+    sweep scores as infinitely bad; any other failure is reported with its log, and with its `error:` line if it
+    stopped on bad input."""
     outcomes, pending, running = [], [], {}
     for run in runs:
         if run_state(out, grid, run) == "finished":
@@ -272,7 +306,9 @@ def execute(runs: list[Run], out: Path, grid: Grid, jobs: int) -> list[Outcome]:
                 status = "diverged"
             else:
                 status = "failed"
-            outcome = Outcome(run, status, time.perf_counter() - started, log)
+            errors = [line for line in tail.splitlines() if line.startswith("error: ")]
+            error = errors[-1].removeprefix("error: ") if process.returncode == 2 and errors else None
+            outcome = Outcome(run, status, time.perf_counter() - started, log, error)
             outcomes.append(outcome)
             bpb = final_bpb(out, grid, run)
             result = f"val bpb {bpb:.4f}" if status == "finished" else f"{status} (log: {log})"
@@ -421,7 +457,8 @@ def study(grid_path: Path, out: Path, jobs: int, dry_run: bool, data_dir: Path |
 
 def report_failures(failures: list[Outcome]) -> int:
     for o in failures:
-        print(f"error: {o.run.name} {o.status}; its log: {o.log}", file=sys.stderr)
+        because = f": {o.error}" if o.error else ""
+        print(f"error: {o.run.name} {o.status}{because}; its log: {o.log}", file=sys.stderr)
     print("error: the study stopped; fix the cause and rerun the same command to resume", file=sys.stderr)
     return 2
 

@@ -104,8 +104,21 @@ def test_dry_run_prints_commands_and_runs_nothing(demo_data_dir, tmp_path, capsy
         (lambda g: "learning_rate = 3\n" + g, "unknown keys"),
         (lambda g: g + "\nlearning_rate = 3\n", "takes exactly"),
         (lambda g: g.replace("[arch.screen]", "[arch.screen"), "not valid TOML"),
+        # values base_train's parser refuses, found before any run starts, with the grid entry to fix
+        (lambda g: g.replace('"--seq-len", "32"', '"--seq-len", "0"'), "--seq-len: '0' is not an integer >= 1.*args"),
+        (lambda g: g.replace('["--config", "tiny"]', '["--optimizer", "sgd"]'), "--optimizer.*arch.vanilla\\] args"),
+        (lambda g: g.replace("model_seeds = [0, 1]", "model_seeds = [1e30]"), "--model-seed.*fix `model_seeds`"),
     ],
 )
 def test_bad_grids_are_refused_with_one_message(tmp_path, edit, message):
     with pytest.raises(PPTError, match=message):
         study.load_grid(write_grid(tmp_path, tmp_path, edit(GRID)))
+
+
+def test_a_run_refused_by_base_train_names_its_error(demo_data_dir, tmp_path, capsys):
+    # a value base_train accepts as a flag but refuses once it knows the config: the run's own error line is repeated
+    grid = GRID.replace('"--seq-len", "32"', '"--seq-len", "512"').replace("lrs = [1e-3, 3e-3]", "lrs = [1e-3]")
+    grid = grid.replace("model_seeds = [0, 1]", "model_seeds = [0]").split("[arch.screen]")[0]
+    assert study.main([str(write_grid(tmp_path, demo_data_dir, grid)), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "error: vanilla-f4e+09-lr0.001-s0 failed: --seq-len 512 exceeds the config's max_seq_len 256" in err
