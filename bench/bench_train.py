@@ -6,7 +6,8 @@
 
 Each variant runs `scripts.base_train --benchmark` in a fresh process on a synthetic data directory (uniform random
 tokens, documents of exponentially distributed length separated by EOT, a byte-level vocabulary of the config's
-size), so the numbers need no download. Prints one markdown row per variant and writes them as JSON with --out.
+size), so the numbers need no download. Prints one markdown row per variant and writes them as JSON with --out; a
+variant that failed shows its exit status in its row, and the tool then exits 2.
 Flags this script does not know go to every base_train run (for example --compile-mode reduce-overhead,
 --loader-prefetch 0, --lr 1e-3).
 """
@@ -19,11 +20,44 @@ import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ppt.common import ArgumentParser, Number, PPTError, positive_int, run_cli, token_count
 from ppt.model import DEFAULT_CONFIG
+from ppt.optim import OPTIMIZERS
 from ppt.synthetic import write_synthetic_data
+
+COMPILE_CHOICES = ("auto", "on", "off")  # base_train's --compile
+ON_OFF = ("on", "off")
+MEASURED_AFTER = 5  # base_train --benchmark leaves the first 5 steps out of its figures
+
+
+@dataclass(frozen=True)
+class CommaList:
+    """An argparse `type=` for a comma list of variants: each item one of `item` (choices) or passing `item` (a
+    Number such as positive_int). A bad item stops the parser with one line naming it and what items may be."""
+
+    item: tuple[str, ...] | Number
+
+    def __call__(self, text: str) -> list:
+        parts = text.split(",")
+        values = []
+        for part in parts:
+            if isinstance(self.item, tuple):
+                accepted = f"one of {', '.join(self.item)}"
+                value = part if part in self.item else None
+            else:
+                accepted = self.item.accepted
+                try:
+                    value = self.item(part)
+                except argparse.ArgumentTypeError:
+                    value = None
+            if value is None:
+                where = f" (in the list {text!r})" if len(parts) > 1 else ""
+                raise argparse.ArgumentTypeError(f"{part!r}{where} is not {accepted}")
+            values.append(value)
+        return values
 
 
 def launcher(nproc: int) -> list[str]:
@@ -51,10 +85,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--device-batch-size", type=positive_int, default=16)
     p.add_argument("--total-batch-tokens", type=token_count, help="default: one device batch (no accumulation)")
-    p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--steps", type=positive_int, default=20, help="steps per variant; the first 5 are not measured")
-    p.add_argument("--compile", default="on", help="comma list of on/off")
-    p.add_argument("--doc-masks", default="on", help="comma list: on (document masking) / off (plain causal rows)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument(
+        "--steps",
+        type=Number(int, MEASURED_AFTER + 1),
+        default=20,
+        help=f"steps per variant, more than {MEASURED_AFTER}: the first {MEASURED_AFTER} are not measured",
+    )
+    p.add_argument("--compile", type=CommaList(COMPILE_CHOICES), default="on", help="comma list of on/off/auto")
+    p.add_argument(
+        "--doc-masks",
+        type=CommaList(ON_OFF),
+        default="on",
+        help="comma list: on (document masking) / off (plain causal rows)",
+    )
     p.add_argument("--nproc", type=positive_int, default=1, help="GPUs: more than 1 launches through torchrun (DDP)")
     p.add_argument("--vocab-size", type=Number(int, 258, 2**32 - 1), default=49152)
     p.add_argument("--mean-doc-len", type=positive_int, default=1024)
@@ -97,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             "5",
             *base_train_flags,
         ]
-        for compile_choice, masks in itertools.product(args.compile.split(","), args.doc_masks.split(",")):
+        for compile_choice, masks in itertools.product(args.compile, args.doc_masks):
             extra = ["--compile", compile_choice] + ([] if masks == "on" else ["--no-doc-masks"])
             extra += ["--profile"] if args.profile else []
             summary, stdout = run_variant(base, extra, args.nproc)
@@ -122,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         print(format_row(r))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+    failed = [f"--compile {r['compile']} --doc-masks {r['doc_masks']}" for r in results if "error" in r]
+    if failed:
+        raise PPTError(f"{len(failed)} of {len(results)} variants failed ({'; '.join(failed)}); their output is above")
 
 
 def format_row(r: dict) -> str:

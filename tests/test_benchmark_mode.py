@@ -87,3 +87,26 @@ def test_synthetic_phrases_repeat_a_small_phrase_book_and_uniform_tokens_do_not(
     # EOT, EOT; uniform noise: nearly all pairs distinct
     assert distinct_successions(3) <= 3 * 7 + 3 * 3 + 2 * 24 + 1
     assert distinct_successions(0) > 15_000
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--optimizer", "foo", "argument --optimizer: invalid choice: 'foo'"),
+        ("--compile", "on,maybe", "argument --compile: 'maybe' (in the list 'on,maybe') is not one of auto, on, off"),
+        ("--doc-masks", "maybe", "argument --doc-masks: 'maybe' is not one of on, off"),
+        ("--steps", "5", "argument --steps: '5' is not an integer >= 6"),  # base_train measures after the first 5
+    ],
+)
+def test_bench_train_refuses_a_bad_variant_before_running_any(run_tool, flag, value, message):
+    code, out, err = run_tool("bench.bench_train", flag, value)
+    assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1
+    assert "$" not in out  # no base_train was launched
+
+
+def test_bench_train_fails_when_a_variant_fails(run_tool):
+    # tiny's max_seq_len is 256: base_train refuses the run; the table still prints, then the tool exits 2
+    argv = "--config tiny --seq-len 512 --device-batch-size 1 --steps 6 --vocab-size 512 --compile off".split()
+    code, out, err = run_tool("bench.bench_train", *argv)
+    assert code == 2 and "| tiny | off | on | exit 2 |" in out.split("| config |")[-1]
+    assert err.splitlines()[-1] == "error: 1 of 1 variants failed (--compile off --doc-masks on); their output is above"
