@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench.bench_train import COMPILE_CHOICES, CommaList
 from ppt.common import ArgumentParser, init_runtime, maybe_compile, positive_int, run_cli, token_count
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
@@ -28,9 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"a config of ppt/model.py (default {DEFAULT_CONFIG})")
     p.add_argument("--seq-len", type=positive_int, default=2048)
-    p.add_argument("--batch-size", default="16", help="comma list of rows per forward")
+    p.add_argument("--batch-size", type=CommaList(positive_int), default="16", help="comma list of rows per forward")
     p.add_argument("--eval-tokens", type=token_count, default=DEFAULT_EVAL_TOKENS)
-    p.add_argument("--compile", default="on", help="comma list of on/off")
+    p.add_argument("--compile", type=CommaList(COMPILE_CHOICES), default="on", help="comma list of on/off/auto")
     p.add_argument("--mean-doc-len", type=positive_int, default=1024)
     args = p.parse_args(argv)
 
@@ -54,12 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp)
         write_synthetic_data(data_dir, config.vocab_size, 65_536, args.mean_doc_len, seed=0, val_tokens=budget + 1)
-        for compile_choice, batch in itertools.product(args.compile.split(","), args.batch_size.split(",")):
+        for compile_choice, batch in itertools.product(args.compile, args.batch_size):
             torch.compiler.reset()
             scored = maybe_compile(model, compile_choice, rt.device)
-            loader = DataLoader(data_dir, "val", int(batch), args.seq_len, device=rt.device)
+            loader = DataLoader(data_dir, "val", batch, args.seq_len, device=rt.device)
             t0 = time.perf_counter()
-            evaluate_bpb(scored, loader.val_batches(int(batch) * args.seq_len), token_bytes, rt.dtype)
+            evaluate_bpb(scored, loader.val_batches(batch * args.seq_len), token_bytes, rt.dtype)
             warm = time.perf_counter() - t0
             t0 = time.perf_counter()
             result = evaluate_bpb(scored, loader.val_batches(budget), token_bytes, rt.dtype)  # ends in a host sync

@@ -1,5 +1,6 @@
 """bits-per-byte and NLL against hand-computed values: uniform and fixed-probability toy models, raw-byte counting
-with multi-byte and partial-UTF-8 tokens, special tokens excluded, determinism, the real val loader."""
+with multi-byte and partial-UTF-8 tokens, special tokens excluded, determinism, the real val loader, bench_bpb's
+variant lists."""
 
 import math
 
@@ -189,3 +190,16 @@ def test_scoring_off_cuda_runs_without_autograd():
     assert (scores_with_autograd(True, cpu), scores_with_autograd(False, cuda), scores_with_autograd(True, cuda)) == (
         False, False, True,
     )  # fmt: skip
+
+
+def test_bench_bpb_runs_each_variant_and_refuses_bad_lists(run_tool):
+    argv = ["--config", "tiny", "--seq-len", "32", "--eval-tokens", "256", "--compile", "off"]
+    code, out, _ = run_tool("bench.bench_bpb", *argv, "--batch-size", "2,4")
+    assert code == 0 and "| tiny | off | 2 | 256 |" in out and "| tiny | off | 4 | 256 |" in out
+    for flag, value, message in [
+        ("--batch-size", "nan", "'nan' is not an integer >= 1"),
+        ("--batch-size", "2,0", "'0' (in the list '2,0') is not an integer >= 1"),
+        ("--compile", "maybe", "'maybe' is not one of auto, on, off"),
+    ]:
+        code, _, err = run_tool("bench.bench_bpb", flag, value)
+        assert code == 2 and err == f"error: argument {flag}: {message} (see --help)\n"
