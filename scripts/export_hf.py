@@ -3,10 +3,11 @@
     python -m scripts.export_hf --model-tag smollm-360m --out exports/smollm-360m
     python -m scripts.export_hf --checkpoint path/to/step_00038147.pt --out DIR --dtype bf16
 
-The folder holds model.safetensors, config.json, tokenizer.json and a minimal tokenizer_config.json. The tokenizer
-prepends EOT (`<|endoftext|>`, also BOS and EOS) to every text, as ppt's training and lm-eval adapter do, so
-`AutoTokenizer` + `AutoModelForCausalLM` score exactly what ppt scores. The architecture says how it maps onto a
-transformers class (`hf_mapping()` in ppt/model.py: the vanilla Llama has one); one without it is refused.
+The folder holds model.safetensors, config.json, tokenizer.json and a minimal tokenizer_config.json; --force replaces
+an earlier export, never a folder that holds anything else. The tokenizer prepends EOT (`<|endoftext|>`, also BOS
+and EOS) to every text, as ppt's training and lm-eval adapter do, so `AutoTokenizer` + `AutoModelForCausalLM` score
+exactly what ppt scores. The architecture says how it maps onto a transformers class (`hf_mapping()` in ppt/model.py:
+the vanilla Llama has one); one without it is refused.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
 import ppt.model
-from ppt.common import ArgumentParser, PPTError, run_cli
+from ppt.common import ArgumentParser, PPTError, few, run_cli
 from ppt.model_io import ModelFile, hf_mapping, load_run, load_tokenizer_for
 from ppt.tokenizer import EOT_TOKEN, Tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")  # what export writes
 
 
 def hf_state_dict(
@@ -91,10 +93,12 @@ def export_model(
             f"{tokenizer.vocab_size}; export with the tokenizer the model was trained with"
         )
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise PPTError(f"{out_dir} exists and is not empty; pass --force to replace it, or another --out")
+    check_out_dir(out_dir, overwrite)
     weights = hf_state_dict(state, names, dtype)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a parent folder should be
+        raise PPTError(f"cannot create {out_dir.parent} ({exc.strerror or exc}); pass another --out") from exc
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
@@ -114,6 +118,27 @@ def export_model(
     return out_dir
 
 
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an out_dir the export may not write: a file, or a folder that holds anything but an earlier export
+    (replacing one deletes the folder, so --force must not reach someone's data), or an earlier export without
+    `overwrite`."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PPTError(f"--out {out_dir} is a file, not a folder; pass the path of a folder to write the export into")
+    present = sorted(p.name for p in out_dir.iterdir()) if out_dir.exists() else []
+    if not present:
+        return
+    strays = [name for name in present if name not in EXPORT_FILES]
+    if strays or not {"config.json", "model.safetensors"} <= set(present):
+        raise PPTError(
+            f"{out_dir} is not an earlier export (it holds {few(strays or present)}); --force replaces only a folder "
+            f"of {', '.join(EXPORT_FILES)}: pass another --out"
+        )
+    if not overwrite:
+        raise PPTError(
+            f"{out_dir} exists and is not empty (an earlier export); pass --force to replace it, or another --out"
+        )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-tag", help="a training run's --tag: its latest checkpoint is exported")
@@ -121,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, help="where the run's tokenizer.json is (default: the run's data dir)")
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight precision (default fp32)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export")
     return p.parse_args(argv)
 
 

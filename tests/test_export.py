@@ -146,3 +146,27 @@ def test_export_refuses_other_architectures_unknown_weights_and_existing_folders
     export_model(model.state_dict(), llama, tokenizer, again, dtype=torch.bfloat16, overwrite=True)
     assert json.loads((again / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again"], "no staging folder left behind"
+
+
+def test_export_refuses_a_file_and_force_replaces_only_an_earlier_export(exported, tmp_path):
+    model, tokenizer, _ = exported
+    llama = {"class": "LlamaConfig", **dataclasses.asdict(model.config)}
+    export = lambda out, overwrite=False: export_model(model.state_dict(), llama, tokenizer, out, overwrite=overwrite)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    with pytest.raises(PPTError, match="notes.txt is a file, not a folder"):
+        export(a_file)
+    with pytest.raises(PPTError, match="cannot create .*notes.txt"):
+        export(a_file / "sub")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("data")
+    with pytest.raises(PPTError, match="corpus is not an earlier export \\(it holds a.txt\\)"):
+        export(corpus, overwrite=True)
+    # an earlier export with a file of the user's added: not replaced either
+    earlier = export(tmp_path / "earlier")
+    (earlier / "README.md").write_text("my notes")
+    with pytest.raises(PPTError, match="not an earlier export \\(it holds README.md\\)"):
+        export(earlier, overwrite=True)
+    assert a_file.read_text() == "mine" and (corpus / "a.txt").exists() and (earlier / "README.md").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "earlier", "notes.txt"], "no staging folder left"
