@@ -23,7 +23,8 @@ import difflib
 import json
 import random
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,17 @@ except ImportError as exc:
     raise PPTError("lm-eval is not installed: uv sync --extra eval") from exc
 
 HUB_HINT = "check the network, or pass --include-path DIR with task YAMLs over local files (--demo-task is offline)"
+
+
+@contextmanager
+def hub_errors(what: str, hint: str = HUB_HINT) -> Iterator[None]:
+    """Data that could not be fetched (offline, or the hub unreachable: datasets and huggingface_hub raise
+    ConnectionError) as one PPTError naming it and `hint`, not a traceback."""
+    try:
+        yield
+    except ConnectionError as exc:
+        raise PPTError(f"could not get {what} from the Hugging Face hub ({exc}); {hint}") from exc
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Presets
@@ -179,7 +191,7 @@ def run_benchmarks(
         by_shots[bench.num_fewshot] += [t for t in bench.tasks if t not in by_shots[bench.num_fewshot]]
     per_task: dict[str, dict[str, Any]] = {}
     for shots, names in sorted(by_shots.items()):
-        try:
+        with hub_errors(f"the data of {', '.join(names)}"):
             out = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=names,
@@ -189,10 +201,6 @@ def run_benchmarks(
                 log_samples=False,
                 bootstrap_iters=bootstrap_iters,
             )
-        except ConnectionError as exc:
-            raise PPTError(
-                f"could not get the data of {', '.join(names)} from the Hugging Face hub ({exc}); {HUB_HINT}"
-            ) from exc
         if out is None:  # not rank 0: rank 0 holds the results
             continue
         for name in names:

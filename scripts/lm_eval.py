@@ -15,6 +15,7 @@ handing over; the plain `lm_eval` command does not know `ppt`. One process: for 
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -27,7 +28,7 @@ from ppt.model_io import ModelFile, load_run, load_tokenizer_for
 try:  # the eval extra: say how to install it rather than show a traceback
     from lm_eval.api.registry import register_model
 
-    from ppt.evals import PPTLM
+    from ppt.evals import PPTLM, hub_errors
 except (ImportError, PPTError):
     print("error: lm-eval is not installed: uv sync --extra eval", file=sys.stderr)
     sys.exit(2)
@@ -41,6 +42,20 @@ DTYPES = {
     "float32": torch.float32,
 }
 DEFAULT_BATCH_SIZE = 16
+HUB_HINT = "check the network and HF_HUB_OFFLINE, or pass --include_path DIR with task YAMLs over local files"
+# ppt.model_io's messages name base_eval's flags; here the same settings are keys of --model_args
+MODEL_ARGS = {
+    "model-tag": "model_tag=TAG",
+    "checkpoint": "checkpoint=PATH",
+    "hf-dir": "hf_dir=DIR",
+    "data-dir": "data_dir=DIR",
+}
+FLAG = re.compile(rf"--({'|'.join(MODEL_ARGS)})\b( [A-Z]+)?")  # the flag and its placeholder, if any
+
+
+def in_model_args(message: str) -> str:
+    """A message that names base_eval's flags (--model-tag TAG), with the --model_args keys this script takes."""
+    return FLAG.sub(lambda m: f"--model_args {MODEL_ARGS[m.group(1)]}", message)
 
 
 def parse_batch_size(value: Any) -> int:
@@ -70,8 +85,11 @@ class CheckpointLM(PPTLM):
         **unused: Any,  # lm-eval's max_batch_size and the like
     ) -> None:
         model_file = ModelFile.of(ppt.model)
-        run = load_run(model_tag, checkpoint, hf_dir, model_file)
-        tokenizer, _ = load_tokenizer_for(run, data_dir)
+        try:
+            run = load_run(model_tag, checkpoint, hf_dir, model_file)
+            tokenizer, _ = load_tokenizer_for(run, data_dir)
+        except PPTError as exc:
+            raise PPTError(in_model_args(str(exc))) from exc
         target = torch.device(device) if device else autodetect_device()
         if target.type == "cuda" and not torch.cuda.is_available():  # lm-eval's default device is cuda:0
             warn0(f"device {device} is unavailable here; using {autodetect_device()}")
@@ -87,7 +105,8 @@ class CheckpointLM(PPTLM):
 def main() -> None:
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    with hub_errors("data lm-eval needs", HUB_HINT):
+        cli_evaluate()
 
 
 if __name__ == "__main__":

@@ -426,18 +426,37 @@ def test_checkpoint_model_is_registered_with_lm_eval(trained_run, tmp_path):
         assert [lp for lp, _ in sample["filtered_resps"]] == pytest.approx(expected, abs=1e-5)
 
 
+REMOTE_TASK = {  # a task over a hub data set that is not cached: offline, it cannot load
+    "task": "remote_choice",
+    "dataset_path": "ppt-tests/not-cached",
+    "output_type": "multiple_choice",
+    "test_split": "test",
+    "doc_to_text": "{{q}}",
+    "doc_to_choice": "{{choices}}",
+    "doc_to_target": 0,
+}
+
+
 def test_unreachable_hub_points_to_local_tasks(tokenizer, tmp_path):
-    config = {
-        "task": "remote_choice",
-        "dataset_path": "ppt-tests/not-cached",
-        "output_type": "multiple_choice",
-        "test_split": "test",
-        "doc_to_text": "{{q}}",
-        "doc_to_choice": "{{choices}}",
-        "doc_to_target": 0,
-    }
-    (tmp_path / "remote_choice.yaml").write_text(json.dumps(config))
+    (tmp_path / "remote_choice.yaml").write_text(json.dumps(REMOTE_TASK))
     manager = task_manager([tmp_path], include_defaults=False)
     lm = PPTLM(Bigram(tokenizer.vocab_size), tokenizer)
     with pytest.raises(PPTError, match="Hugging Face hub.*--include-path"):
         run_benchmarks(lm, parse_tasks("remote_choice"), manager, bootstrap_iters=0)
+
+
+def test_lm_eval_names_its_own_model_args_and_an_unreachable_hub(trained_run, tmp_path, monkeypatch):
+    from scripts import lm_eval as script
+
+    with pytest.raises(PPTError, match="no checkpoint for tag 'missing'") as refused:
+        script.CheckpointLM(model_tag="missing")
+    assert "pass --model_args checkpoint=PATH" in str(refused.value) and "--checkpoint" not in str(refused.value)
+    with pytest.raises(PPTError, match="--model_args model_tag=TAG \\(a training run's --tag\\) or --model_args chec"):
+        script.CheckpointLM()
+    # a task whose data is not cached, offline: one error line pointing at local tasks, not lm-eval's traceback
+    (tmp_path / "remote_choice.yaml").write_text(json.dumps(REMOTE_TASK))
+    path, *_ = trained_run
+    argv = ["--model", "ppt", "--model_args", f"checkpoint={path}", "--tasks", "remote_choice"]
+    monkeypatch.setattr(sys, "argv", ["lm_eval", *argv, "--include_path", str(tmp_path), "--device", "cpu"])
+    with pytest.raises(PPTError, match="ppt-tests/not-cached.*OfflineModeIsEnabled.*--include_path DIR"):
+        script.main()
