@@ -406,6 +406,23 @@ def plot(settings: list[Setting], path: Path) -> Path:
     return path
 
 
+def plot_file(path: Path) -> Path:
+    """The file --plot writes: `path`, with .png added when it has no extension (matplotlib would add one silently);
+    a folder, or an extension matplotlib cannot write, is refused."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if path.is_dir():
+        raise PPTError(f"--plot {path} is a folder; name the file to write, e.g. --plot {path / 'compare.png'}")
+    if not path.suffix:
+        return path.with_name(path.name + ".png")
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if path.suffix[1:].lower() not in formats:
+        raise PPTError(
+            f"--plot {path}: matplotlib writes no {path.suffix} files; end the name in .png (or {', '.join(formats)})"
+        )
+    return path
+
+
 # ---- entry points -------------------------------------------------------------------------------------------------
 
 
@@ -434,14 +451,18 @@ def main(argv: list[str] | None = None) -> None:
         "--baseline", help="the setting the others are compared to: its label, config name or a run tag (default: "
         "the first given)"
     )  # fmt: skip
-    p.add_argument("--plot", type=Path, help="where to write the PNG (default <cache>/reports/compare.png)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        help="the plot file; a name without an extension gets .png (default <cache>/reports/compare.png)",
+    )
     p.add_argument(
         "--allow-mismatch",
         action="store_true",
         help="compare runs on another tokenizer, data, sequence length or eval token count; the table shows which",
     )
     args = p.parse_args(argv)
-    plot_path = args.plot or cache_dir() / "reports" / "compare.png"
+    plot_path = plot_file(args.plot or cache_dir() / "reports" / "compare.png")
     print0(compare(args.runs, args.baseline, args.allow_mismatch, plot_path))
     print0(f"\nplot: {plot_path}")
 

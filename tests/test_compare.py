@@ -152,6 +152,15 @@ def test_the_plot_and_the_command_line(tmp_path, capsys):
     assert "| vanilla | 2 |" in out and "Δ bpb vs screening (95% CI)" in out and "n/a (one seed)" in out
     assert (tmp_path / "out" / "bpb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {tmp_path / 'out' / 'bpb.png'}" in out
+    # a name without an extension gets .png, as matplotlib writes it, and the path printed is that file
+    main([*map(str, paths), "--plot", str(tmp_path / "out" / "curves")])
+    assert f"plot: {tmp_path / 'out' / 'curves.png'}" in capsys.readouterr().out
+    assert (tmp_path / "out" / "curves.png").is_file() and not (tmp_path / "out" / "curves").exists()
+    with pytest.raises(PPTError, match="out is a folder; name the file to write, e.g. --plot .*out/compare.png"):
+        main([*map(str, paths), "--plot", str(tmp_path / "out")])
+    with pytest.raises(PPTError, match="matplotlib writes no .v2 files; end the name in .png"):
+        main([*map(str, paths), "--plot", str(tmp_path / "out" / "bpb.v2")])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bpb.png", "curves.png"]
 
 
 def test_run_tags_are_looked_up_in_the_reports_dir(offline_private_cache):
