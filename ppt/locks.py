@@ -30,6 +30,7 @@ class Lock:
     path: Path
     token: str
     pid: int
+    remove_empty_dir: bool = False  # the run made the locked directory: gone again if it wrote nothing there
 
     def release(self) -> None:
         """Remove the lock file if it is still this process's (never in a forked child, never another's lock)."""
@@ -38,6 +39,8 @@ class Lock:
         try:
             if json.loads(self.path.read_text()).get("token") == self.token:
                 self.path.unlink()
+                if self.remove_empty_dir:
+                    self.path.parent.rmdir()  # fails, as it should, when the run left anything in it
         except (OSError, ValueError):
             pass
 
@@ -103,13 +106,14 @@ def directory_user(directory: Path) -> str | None:
     return _describe_owner(owner)
 
 
-def lock_directory(directory: Path, fix: str) -> Lock:
-    """Give this process sole use of `directory` (created if missing) through `directory/.ppt.lock`."""
+def lock_directory(directory: Path, fix: str, made_by_this_run: bool = False) -> Lock:
+    """Give this process sole use of `directory` (created if missing) through `directory/.ppt.lock`; one this run
+    made (`made_by_this_run`) is removed with the lock if the run left it empty, as a refused run does."""
     directory = Path(directory)
-    return hold_lock(directory / LOCK_NAME, str(directory), fix)
+    return hold_lock(directory / LOCK_NAME, str(directory), fix, remove_empty_dir=made_by_this_run)
 
 
-def hold_lock(lock_file: Path, what: str, fix: str) -> Lock:
+def hold_lock(lock_file: Path, what: str, fix: str, remove_empty_dir: bool = False) -> Lock:
     """Give this process sole use of `what` through `lock_file` until `release_locks()` or exit.
 
     A live owner on this host, or any owner on another host (whose liveness this host cannot see), stops this run
@@ -161,7 +165,7 @@ def hold_lock(lock_file: Path, what: str, fix: str) -> Lock:
             raise PPTError(f"could not lock {what}: other runs keep taking and releasing it; {fix}")
     finally:
         tmp.unlink(missing_ok=True)
-    lock = Lock(lock_file, owner["token"], owner["pid"])
+    lock = Lock(lock_file, owner["token"], owner["pid"], remove_empty_dir)
     if not _held_locks:
         atexit.register(release_locks)
     _held_locks.append(lock)

@@ -368,9 +368,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     tag = args.tag or args.config or f"d{args.depth}"
     out_dir = args.out_dir or cache_dir() / "checkpoints" / tag
     if rt.is_master:
+        made_out_dir = not out_dir.exists()
         ckpt.ensure_writable(out_dir, needed_bytes=n_params * 4 * 3)
         if not args.benchmark:  # one run per checkpoint directory and per run name (it names the manifest)
-            lock_directory(out_dir, "give this run another --tag or --out-dir")
+            lock_directory(out_dir, "give this run another --tag or --out-dir", made_by_this_run=made_out_dir)
             hold_lock(cache_dir() / "reports" / f".{tag}.lock", f"the run name {tag!r}", "give this run another --tag")
     config_dict = {"class": type(config).__name__, **dataclasses.asdict(config)}
     start_step, tokens_seen, history, skipped = 0, 0, [], 0

@@ -315,6 +315,18 @@ def test_a_checkpoint_write_that_fills_the_disk_keeps_the_previous_checkpoint(de
     assert not list(out.glob(".*.tmp"))
 
 
+def test_a_refused_run_leaves_no_directory_it_made(demo_data_dir, tmp_path):
+    """The checkpoint directory is made and locked before the budget is checked; refused, the run takes it away
+    again, and leaves one that existed before (with what it held) as it was."""
+    fresh, existing = tmp_path / "fresh", tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    for out_dir in (fresh, existing):
+        with pytest.raises(PPTError, match="less than one step"):
+            train(train_argv(demo_data_dir, out_dir, out_dir.name, "--target-tokens", "10"))
+    assert not fresh.exists() and sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
+
+
 def test_data_whose_prepare_stopped_early_trains_with_a_warning(demo_data_dir, tmp_path, capsys):
     """prepare marks meta.json complete when it finishes; a directory it left unfinished trains, and says so."""
     assert read_meta(demo_data_dir)["progress"]["complete"] is True
