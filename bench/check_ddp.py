@@ -20,8 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_train import launcher
+from bench.bench_train import COMPILE_CHOICES, launcher
 from ppt.common import ArgumentParser, Number, PPTError, nonneg_float, nonneg_int, positive_float, positive_int, run_cli
+from ppt.optim import OPTIMIZERS
 from ppt.synthetic import write_synthetic_data
 
 
@@ -44,12 +45,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=Number(int, 2), default=20, help="at least 2 (the resume run stops halfway)")
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--device-batch-size", type=positive_int, default=4)
-    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--lr", type=positive_float, help="peak LR (default: the optimizer's); on random tokens a rising "
                    "loss amplifies every rounding difference, so pick one at which the loss falls")  # fmt: skip
     p.add_argument("--phrases", type=nonneg_int, default=1000, help="synthetic text drawn from this many random "
                    "8-token phrases, so the loss falls and gradients carry signal (0: uniform noise)")  # fmt: skip
-    p.add_argument("--compile", default="off", help="on/off for every run (off: the check is about DDP, not speed)")
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="off",
+        help="for every run (off: the check is about DDP, not speed)",
+    )
     p.add_argument("--tolerance", type=nonneg_float, default=1e-3, help="largest allowed |loss difference| per step")
     args = p.parse_args(argv)
 

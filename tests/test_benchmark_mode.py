@@ -104,6 +104,12 @@ def test_bench_train_refuses_a_bad_variant_before_running_any(run_tool, flag, va
     assert "$" not in out  # no base_train was launched
 
 
+@pytest.mark.parametrize("flag, value", [("--optimizer", "foo"), ("--compile", "maybe")])
+def test_check_ddp_refuses_what_base_train_would_not_run(run_tool, flag, value):
+    code, _, err = run_tool("bench.check_ddp", flag, value)
+    assert code == 2 and err.startswith(f"error: argument {flag}: invalid choice: '{value}'")
+
+
 def test_bench_train_fails_when_a_variant_fails(run_tool):
     # tiny's max_seq_len is 256: base_train refuses the run; the table still prints, then the tool exits 2
     argv = "--config tiny --seq-len 512 --device-batch-size 1 --steps 6 --vocab-size 512 --compile off".split()
