@@ -224,6 +224,10 @@ def main(argv: list[str] | None = None) -> None:
         raise PPTError("--skip-tasks runs bits per byte only; drop it to run --tasks or --demo-task")
     if args.hf_dir and not args.data_dir:
         raise PPTError("--hf-dir needs --data-dir: prepared shards whose val split to score, made by its tokenizer")
+    if args.tasks:  # a typo in --tasks stops the run now, not after the bits-per-byte pass
+        from ppt import evals
+
+        evals.parse_tasks(args.tasks, args.num_fewshot)
     rt = init_runtime(args.device)
     model_file = ModelFile.of(ppt.model)
     run = load_run(args.model_tag, args.checkpoint, args.hf_dir, model_file)

@@ -610,6 +610,8 @@ BAD_INPUT = [
                                "--skip-tasks", "--device", "cpu"], {},
                  r"val_00000\.bin holds token id 600, but the model's vocabulary has 512 ids",
                  id="eval-token-id-outside-vocab"),
+    pytest.param("base_eval", ["--model-tag", "never-trained", "--tasks", "hellaswag:five"], {},
+                 r"--tasks entry 'hellaswag:five': the shot count after ':' must be a number", id="eval-bad-tasks"),
     pytest.param("base_eval", ["--model-tag", "x", "--batch-size", "0"], {},
                  r"argument --batch-size: '0' is not an integer >= 1", id="eval-zero-batch-size"),
     pytest.param("base_eval", ["--checkpoint", "{work}/absent.pt", "--skip-tasks"], {},
