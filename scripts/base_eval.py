@@ -224,6 +224,10 @@ def main(argv: list[str] | None = None) -> None:
         raise PPTError("--skip-tasks runs bits per byte only; drop it to run --tasks or --demo-task")
     if args.hf_dir and not args.data_dir:
         raise PPTError("--hf-dir needs --data-dir: prepared shards whose val split to score, made by its tokenizer")
+    if args.limit and args.limit > 1 and not float(args.limit).is_integer():
+        raise PPTError(
+            f"--limit {args.limit:g}: above 1 it counts examples per task, a whole number; below 1 it is a fraction"
+        )
     if args.tasks:  # a typo in --tasks stops the run now, not after the bits-per-byte pass
         from ppt import evals
 

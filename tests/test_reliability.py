@@ -612,6 +612,8 @@ BAD_INPUT = [
                  id="eval-token-id-outside-vocab"),
     pytest.param("base_eval", ["--model-tag", "never-trained", "--tasks", "hellaswag:five"], {},
                  r"--tasks entry 'hellaswag:five': the shot count after ':' must be a number", id="eval-bad-tasks"),
+    pytest.param("base_eval", ["--model-tag", "never-trained", "--limit", "1.5"], {},
+                 r"--limit 1\.5: above 1 it counts examples per task, a whole number", id="eval-fractional-limit"),
     pytest.param("base_eval", ["--model-tag", "x", "--batch-size", "0"], {},
                  r"argument --batch-size: '0' is not an integer >= 1", id="eval-zero-batch-size"),
     pytest.param("base_eval", ["--checkpoint", "{work}/absent.pt", "--skip-tasks"], {},
