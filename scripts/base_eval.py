@@ -123,17 +123,19 @@ def val_documents(data_dir: Path, tokenizer: Tokenizer) -> list[str]:
 
 def benchmark(
     args: argparse.Namespace,
+    custom_tasks: tuple | None,
     model: torch.nn.Module,
     tokenizer: Tokenizer,
     data_dir: Path,
     device: torch.device,
     dtype: torch.dtype,
 ) -> dict[str, Any] | None:
-    """The chosen lm-eval tasks (preset, --tasks, and/or the demo task); None on ranks other than 0."""
+    """The chosen lm-eval tasks (preset, --tasks as `custom_tasks` parsed, and/or the demo task); None on ranks other
+    than 0."""
     from ppt import evals  # lazily: needs the eval extra, which --skip-tasks does not
 
-    if args.tasks:
-        benchmarks, protocol = evals.parse_tasks(args.tasks, args.num_fewshot), "custom"
+    if custom_tasks:
+        benchmarks, protocol = custom_tasks, "custom"
     elif args.demo_task:
         benchmarks, protocol = (), "demo"
     else:
@@ -228,10 +230,11 @@ def main(argv: list[str] | None = None) -> None:
         raise PPTError(
             f"--limit {args.limit:g}: above 1 it counts examples per task, a whole number; below 1 it is a fraction"
         )
-    if args.tasks:  # a typo in --tasks stops the run now, not after the bits-per-byte pass
+    custom_tasks = None
+    if args.tasks:  # parsed now: a typo in --tasks stops the run before the bits-per-byte pass, not after it
         from ppt import evals
 
-        evals.parse_tasks(args.tasks, args.num_fewshot)
+        custom_tasks = evals.parse_tasks(args.tasks, args.num_fewshot)
     rt = init_runtime(args.device)
     model_file = ModelFile.of(ppt.model)
     run = load_run(args.model_tag, args.checkpoint, args.hf_dir, model_file)
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
     bpb_model = maybe_compile(model, args.compile, rt.device)
     bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
-    bench = None if args.skip_tasks else benchmark(args, model, tokenizer, data_dir, rt.device, rt.dtype)
+    bench = None if args.skip_tasks else benchmark(args, custom_tasks, model, tokenizer, data_dir, rt.device, rt.dtype)
 
     if rt.is_master:
         print0(table(bpb, bench))
