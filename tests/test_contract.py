@@ -175,8 +175,9 @@ def test_no_information_across_documents(name):
         out = logits(model, changed, doc_pos)
         outside = torch.ones(idx.shape[1], dtype=torch.bool)
         outside[start:end] = False
-        leak = changed_by(out[:, outside], base[:, outside])
-        assert torch.equal(out[:, outside], base[:, outside]), f"document [{start}, {end}) leaks into another ({leak})"
+        assert torch.equal(out[:, outside], base[:, outside]), (
+            f"document [{start}, {end}) leaks into another ({changed_by(out[:, outside], base[:, outside])})"
+        )
         assert not torch.equal(out[:, end - 1], base[:, end - 1]), f"document [{start}, {end}) ignores its tokens"
 
 
