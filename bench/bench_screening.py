@@ -391,21 +391,26 @@ FLOPS_PER_PAIR = {"forward": lambda dK, dV: 2 * (dK + dV), "dq": lambda dK, dV: 
 
 
 def class_launch(kind: str, c: dict, span_range: tuple[int, int], blocks: tuple) -> Callable[[], object]:
-    """One class's launch of a kernel on case c, writing into buffers of its own."""
+    """One class's launch of a kernel on case c, writing into buffers of its own. The dK/dV launch sums rows of dQ
+    partials as long as the shipped DQ_PLAN's."""
     q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
     doc_start, doc_end = c["meta"]
+    B, T, H, _ = q.shape
     if kind == "forward":
         out = torch.empty_like(v)
         return lambda: kernels.forward_class(q, k, v, out, w, r, doc_start, *span_range, blocks)
+    query_tile = blocks[0] if kind == "dq" else min(b[0] for _, _, b in kernels.plan_classes(kernels.DQ_PLAN))
+    partials = torch.zeros((2, H, B * triton.cdiv(T, query_tile)), device=q.device, dtype=torch.float32)
     if kind == "dq":
         dq = torch.empty_like(q)
-        return lambda: kernels.dq_class(q, k, v, g, dq, w, r, doc_start, *span_range, blocks)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    return lambda: kernels.dkdv_class(q, k, v, g, dk, dv, w, r, doc_start, doc_end, *span_range, blocks)
+        return lambda: kernels.dq_class(q, k, v, g, dq, partials, w, r, doc_start, *span_range, blocks)
+    dk, dv, dw, dr = torch.empty_like(k), torch.empty_like(v), torch.empty_like(w), torch.empty_like(r)
+    return lambda: kernels.dkdv_class(q, k, v, g, dk, dv, partials, dw, dr, w, r, doc_start, doc_end, *span_range,
+                                      blocks)  # fmt: skip
 
 
 def time_kernels(plans: dict, c: dict) -> dict[str, float]:
-    """ms of each kernel's launches alone for a plan: forward, dq (with its partial sums), dkdv."""
+    """ms of each kernel's launches alone for a plan: forward, dq, dkdv (with the sums of dq's partials)."""
     times = {}
     for kind in PLAN_NAMES:
         launches = [class_launch(kind, c, (lo, hi), blocks) for lo, hi, blocks in kernels.plan_classes(plans[kind])]

@@ -32,9 +32,9 @@ from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"forward": "_forward_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
 PLANS = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
-POINTERS = {"Q", "K", "V", "OUT", "DOUT", "DQ", "DK_OUT", "DV_OUT", "DW_PART", "DRHO_PART"}
+POINTERS = {"Q", "K", "V", "OUT", "DOUT", "DQ", "DK_OUT", "DV_OUT"}
 POINTER_TYPES = {"WINDOW": "*fp32", "RHO": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32", "DW_PART": "*fp32",
-                 "DRHO_PART": "*fp32"}  # fmt: skip
+                 "DRHO_PART": "*fp32", "DW_OUT": "*fp32", "DRHO_OUT": "*fp32"}  # fmt: skip
 ALIGNED = {"T", "H", "stride_b", "stride_t", "stride_vb", "stride_vt"}  # multiples of 16 at the benchmark shape
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -43,7 +43,7 @@ def compile_kernel(fn: object, blocks: tuple[int, ...], dk: int, dv: int, arch: 
     """fn compiled for sm_<arch> with bf16 operands and (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])."""
     block_m, block_n, warps, stages, *maxnreg = blocks
     names = fn.arg_names
-    constants = {"DK": dk, "DV": dv, "BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": "tf32"}
+    constants = {"DK": dk, "DV": dv, "BLOCK_M": block_m, "BLOCK_N": block_n, "PRECISION": "tf32", "SUM_BLOCK": 256}
     types_ = {
         n: "constexpr" if n in constants else POINTER_TYPES.get(n, "*bf16" if n in POINTERS else "i32") for n in names
     }

@@ -235,6 +235,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         for name, got, ref in zip(["out", "dq", "dk", "dv", "dwindow", "drho"], [out, *grads], refs):
             err = (got.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)
             errors[label + " " + name] = float(err) if torch.isfinite(got).all() else float("inf")
+    empty = screening_backward(*(x[:, :0] for x in (q, k, v)), window, rho, *(m[:, :0] for m in meta), grad_out[:, :0])
+    errors["empty batch d window, d rho"] = float(torch.cat(empty[3:]).abs().max())  # zeros, not unwritten memory
     print(json.dumps(errors))
     """
 )
@@ -247,7 +249,7 @@ def test_triton_kernels_in_interpreter_match_float64_reference():
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(errors) == 18
+    assert len(errors) == 19
     bad = {name: err for name, err in errors.items() if not err < 1e-5}
     assert not bad, f"relative errors above 1e-5: {bad}"
 

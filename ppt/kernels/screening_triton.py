@@ -2,9 +2,11 @@
 
 Three kernels, one program per (batch row, head, tile), no atomics:
   forward : per query tile, loop over the key tiles its window and document reach
-  dQ      : same loop; also writes per-program partial sums of d window and d rho (reduced by torch afterwards)
+  dQ      : same loop; also writes per-program partial sums of d window and d rho
   dK/dV   : per key tile, loop over the query tiles whose window and document reach it; its tiles are (keys x
-            queries), so the products it feeds back into dK and dV need no transpose
+            queries), so the products it feeds back into dK and dV need no transpose. One program a head (batch row
+            0, key tile 0) also sums that head's dQ partials in a fixed order: d window and d rho, deterministic,
+            with no launch of their own
 Loop bounds come from the window and the document metadata inside the kernel, so no host sync and no wasted tiles
 outside [max(doc start, i0 - ceil(w) + 1), i1]; tiles wholly inside window and document skip the mask.
 
@@ -201,19 +203,17 @@ def _forward_kernel(
 @triton.jit
 def _dq_kernel(
     Q, K, V, DOUT, DQ, DW_PART, DRHO_PART, WINDOW, RHO, DOC_START,
-    T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
+    T, H, stride_b, stride_t, stride_vb, stride_vt, n_parts, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     tile = tl.program_id(1)
     i0 = tile * BLOCK_M
     b, h = bh // H, bh % H
-    part = (h * (tl.num_programs(0) // H) + b) * tl.num_programs(1) + tile  # head-major: (H, B * tiles) partials
+    part = h * n_parts + b * tl.num_programs(1) + tile  # head-major: a row of n_parts partials a head
     w = tl.load(WINDOW + h)
     span = _span(w, T)
-    if (span < span_lo) | (span > span_hi):  # another class's launch handles this head; its partials are zero here
-        tl.store(DW_PART + part, 0.0)
-        tl.store(DRHO_PART + part, 0.0)
+    if (span < span_lo) | (span > span_hi):  # another class's launch handles this head
         return
     rho = tl.load(RHO + h)
     half_phase = _HALF_PI / w
@@ -256,10 +256,21 @@ def _dq_kernel(
 
 
 @triton.jit
+def _row_sum(PTR, n, BLOCK: tl.constexpr):
+    """The sum of n fp32 values at PTR, always in the same order."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        acc += tl.load(PTR + start + offs, mask=start + offs < n, other=0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def _dkdv_kernel(
-    Q, K, V, DOUT, DK_OUT, DV_OUT, WINDOW, RHO, DOC_START, DOC_END,
-    T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
+    Q, K, V, DOUT, DK_OUT, DV_OUT, DW_PART, DRHO_PART, DW_OUT, DRHO_OUT, WINDOW, RHO, DOC_START, DOC_END,
+    T, H, stride_b, stride_t, stride_vb, stride_vt, n_parts, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    SUM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     j0 = tl.program_id(1) * BLOCK_N
@@ -268,6 +279,9 @@ def _dkdv_kernel(
     span = _span(w, T)
     if (span < span_lo) | (span > span_hi):  # another class's launch handles this head
         return
+    if (b == 0) & (j0 == 0):  # the dQ launches ran before this one, on the same stream
+        tl.store(DW_OUT + h, _row_sum(DW_PART + h * n_parts, n_parts, SUM_BLOCK))
+        tl.store(DRHO_OUT + h, _row_sum(DRHO_PART + h * n_parts, n_parts, SUM_BLOCK))
     rho = tl.load(RHO + h)
     half_phase = _HALF_PI / w
 
@@ -347,35 +361,34 @@ def forward_class(
 
 
 def dq_class(
-    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dq: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    span_lo: int, span_hi: int, blocks: Blocks,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi] and returns their
-    d window and d rho (zero for the other heads), each an fp32 (H,) sum of per-program partials."""
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dq: Tensor, partials: Tensor, window: Tensor, rho: Tensor,
+    doc_start: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
+) -> None:  # fmt: skip
+    """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi], and their d window and
+    d rho partials, one per program, at the start of their rows of `partials` (2, H, n_parts) fp32."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
-    n_tiles = triton.cdiv(T, block_m)
-    partials = torch.empty((2, H, B * n_tiles), device=q.device, dtype=torch.float32)
-    _dq_kernel[(B * H, n_tiles)](
+    _dq_kernel[(B * H, triton.cdiv(T, block_m))](
         q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
-        span_lo, span_hi,
+        partials.shape[-1], span_lo, span_hi,
         DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
-    # sums over each head's contiguous row of partials (a strided (B, H, tiles) sum took 25 us each on an H200);
-    # two sums, not one: the op's outputs must not alias each other
-    return partials[0].sum(dim=1), partials[1].sum(dim=1)
 
 
 def dkdv_class(
-    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, window: Tensor, rho: Tensor,
-    doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, partials: Tensor, d_window: Tensor,
+    d_rho: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int,
+    blocks: Blocks,
 ) -> None:  # fmt: skip
-    """One class's dK/dV launch: writes `dk` and `dv` for the heads whose span lies in [span_lo, span_hi]."""
+    """One class's dK/dV launch: writes `dk` and `dv` for the heads whose span lies in [span_lo, span_hi], and their
+    `d_window` and `d_rho` (H,) as the sums of their rows of the dQ launches' `partials`."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
     _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
-        q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, *_shape_args(q, v), span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
+        q, k, v, grad_out, dk, dv, partials[0], partials[1], d_window, d_rho, window, rho, doc_start, doc_end,
+        *_shape_args(q, v), partials.shape[-1], span_lo, span_hi,
+        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SUM_BLOCK=256,
+        **_launch_options(blocks),
     )  # fmt: skip
 
 
@@ -403,10 +416,19 @@ def screening_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d window, d rho); the per-head grads are fp32 sums of per-program partials (deterministic)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    d_window = d_rho = None
-    for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
-        sums = dq_class(q, k, v, grad_out, dq, window, rho, doc_start, span_lo, span_hi, blocks)
-        d_window, d_rho = sums if d_window is None else (d_window + sums[0], d_rho + sums[1])
+    B, T, H, _ = q.shape
+    new_grad = torch.empty_like if B * T else torch.zeros_like  # no dK/dV program would write them
+    d_window, d_rho = new_grad(window), new_grad(rho)
+    dq_classes = plan_classes(dq_plan or DQ_PLAN)
+    # a row of partials a head, as long as the smallest query tiles need; with several classes a head's class may
+    # fill less of its row, so the rest must read as zeros
+    n_parts = B * max(triton.cdiv(T, blocks[0]) for _, _, blocks in dq_classes)
+    partials = (torch.zeros if len(dq_classes) > 1 else torch.empty)(
+        (2, H, n_parts), device=q.device, dtype=torch.float32
+    )
+    for span_lo, span_hi, blocks in dq_classes:
+        dq_class(q, k, v, grad_out, dq, partials, window, rho, doc_start, span_lo, span_hi, blocks)
     for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
-        dkdv_class(q, k, v, grad_out, dk, dv, window, rho, doc_start, doc_end, span_lo, span_hi, blocks)
+        dkdv_class(q, k, v, grad_out, dk, dv, partials, d_window, d_rho, window, rho, doc_start, doc_end,
+                   span_lo, span_hi, blocks)  # fmt: skip
     return dq, dk, dv, d_window, d_rho
