@@ -346,6 +346,15 @@ class DataLoader:
         self.epoch, self.position = int(state["epoch"]), min(int(state["position"]), self.rows_per_rank)
         self._doc_pos_counts[:] = 0
 
+    def budget_shortfall(self, max_tokens: int) -> str | None:
+        """Why `val_batches(max_tokens)` scores fewer rows than the budget asks, when the split is what runs out."""
+        if max_tokens // (self.seq_len * self.world_size) <= self.rows_per_rank:
+            return None
+        return (
+            f"a val budget of {max_tokens:,} tokens is more than the {self.split} split of {self.data_dir} holds in "
+            f"rows of {self.seq_len} ({self.tokens_per_epoch:,} tokens); all of them are scored"
+        )
+
     def val_batches(self, max_tokens: int) -> Iterator[Batch]:
         """The first `max_tokens` input tokens of the split (summed over ranks) in file order, this rank's share.
 

@@ -45,6 +45,7 @@ from ppt.common import (
     run_cli,
     shutdown_runtime,
     token_count,
+    warn0,
 )
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
@@ -261,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
         expected_fingerprint=tokenizer.fingerprint,
         vocab_size=model.config.vocab_size,
     )
+    shortfall = val.budget_shortfall(budget)
+    if shortfall:
+        warn0(shortfall)
     n_batches = -(-min(budget // (seq_len * rt.world_size), val.rows_per_rank) // args.batch_size)
     batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
     bpb_model = maybe_compile(model, args.compile, rt.device)

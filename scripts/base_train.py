@@ -627,7 +627,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             path = ckpt.save_checkpoint(out_dir, step, payload, keep=args.keep)
             print0(f"saved {path}")
 
+    shortfall_shown = False  # a budget above the val split: said at the first evaluation only
+
     def evaluate(step: int) -> dict[str, Any]:
+        nonlocal shortfall_shown
         val_loader = DataLoader(
             data_dir,
             "val",
@@ -640,6 +643,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             expected_fingerprint=tokenizer.fingerprint,
             vocab_size=config.vocab_size,
         )
+        shortfall = val_loader.budget_shortfall(int(args.eval_tokens))
+        if shortfall and not shortfall_shown:
+            warn0(shortfall)  # each log entry records the tokens it scored
+            shortfall_shown = True
         result = evaluate_bpb(compiled_model, val_loader.val_batches(int(args.eval_tokens)), token_bytes, rt.dtype)
         freeze_gc()  # the first call compiled the evaluation graphs: out of the collector's scans too
         print0(

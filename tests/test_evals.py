@@ -377,6 +377,19 @@ def test_base_eval_scores_as_many_tokens_as_the_training_run_and_says_so(trained
     assert f"| val bits per byte ↓ (320 tokens) | {evaluation['val']['bpb']:.4f} |" in shown
 
 
+def test_base_eval_says_when_the_val_split_is_smaller_than_the_budget(trained_run, capsys):
+    from scripts import base_eval
+
+    path, _, _, _ = trained_run
+    base_eval.main(["--model-tag", "tiny-run", "--skip-tasks", "--eval-tokens", "1e9", "--device", "cpu"])
+    captured = capsys.readouterr()
+    evaluation = json.loads((path.parent / "tiny-run.json").read_text())["eval"]
+    scored = evaluation["val"]["tokens"]
+    assert 0 < scored < 10**9 and evaluation["eval_tokens"] == 10**9
+    assert "warning: a val budget of 1,000,000,000 tokens is more than the val split of" in captured.err
+    assert f"in rows of 32 ({scored:,} tokens); all of them are scored" in captured.err
+
+
 def test_base_eval_rejects_bad_checkpoints_and_tokenizers(trained_run, tmp_path, demo_data_dir):
     from ppt import checkpoint as ckpt
     from scripts import base_eval
