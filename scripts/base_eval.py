@@ -24,6 +24,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,17 +123,20 @@ def val_documents(data_dir: Path, tokenizer: Tokenizer) -> list[str]:
     return [tokenizer.decode(tokens[a + 1 : b].tolist()) for a, b in zip(boundaries, boundaries[1:]) if b > a + 1]
 
 
-def benchmark(
-    args: argparse.Namespace,
-    custom_tasks: tuple | None,
-    model: torch.nn.Module,
-    tokenizer: Tokenizer,
-    data_dir: Path,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> dict[str, Any] | None:
-    """The chosen lm-eval tasks (preset, --tasks as `custom_tasks` parsed, and/or the demo task); None on ranks other
-    than 0."""
+@dataclass(frozen=True)
+class Tasks:
+    """The lm-eval tasks a run scores, found in the task manager and checked before any model work."""
+
+    benchmarks: tuple
+    protocol: str
+    manager: Any
+
+
+def chosen_tasks(
+    args: argparse.Namespace, custom_tasks: tuple | None, tokenizer: Tokenizer, data_dir: Path, demo_dir: Path
+) -> Tasks:
+    """The chosen tasks (preset, --tasks as `custom_tasks` parsed, and/or the demo task), every name and output type
+    checked. The demo task is written into demo_dir, which must outlive the tasks' run."""
     from ppt import evals  # lazily: needs the eval extra, which --skip-tasks does not
 
     if custom_tasks:
@@ -141,21 +145,34 @@ def benchmark(
         benchmarks, protocol = (), "demo"
     else:
         benchmarks, protocol = evals.protocol(args.protocol), args.protocol
-    with tempfile.TemporaryDirectory(prefix="ppt_demo_task_") as demo_dir:
-        include = list(args.include_path)
-        if args.demo_task:
-            evals.write_choice_task(evals.demo_examples(val_documents(data_dir, tokenizer)), demo_dir, evals.DEMO_TASK)
-            include.append(Path(demo_dir))
-            benchmarks += (evals.Benchmark("demo continuation (4-way)", (evals.DEMO_TASK,), 0, "acc"),)
-        # lm-eval's built-in index takes seconds to build: skip it when only the local demo task runs
-        manager = evals.task_manager(include, include_defaults=protocol != "demo")
-        evals.check_tasks(manager, benchmarks)
-        lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size)
-        limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
-        results = evals.run_benchmarks(lm, benchmarks, manager, limit=limit)
+    include = list(args.include_path)
+    if args.demo_task:
+        evals.write_choice_task(evals.demo_examples(val_documents(data_dir, tokenizer)), demo_dir, evals.DEMO_TASK)
+        include.append(demo_dir)
+        benchmarks += (evals.Benchmark("demo continuation (4-way)", (evals.DEMO_TASK,), 0, "acc"),)
+    # lm-eval's built-in index takes seconds to build: skip it when only the local demo task runs
+    manager = evals.task_manager(include, include_defaults=protocol != "demo")
+    evals.check_tasks(manager, benchmarks)
+    return Tasks(benchmarks, protocol, manager)
+
+
+def benchmark(
+    args: argparse.Namespace,
+    tasks: Tasks,
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any] | None:
+    """The tasks' results; None on ranks other than 0."""
+    from ppt import evals
+
+    lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size)
+    limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
+    results = evals.run_benchmarks(lm, tasks.benchmarks, tasks.manager, limit=limit)
     if results is not None:
-        results["protocol"] = protocol
-        results["shots"] = {b.label: b.num_fewshot for b in benchmarks}
+        results["protocol"] = tasks.protocol
+        results["shots"] = {b.label: b.num_fewshot for b in tasks.benchmarks}
     return results
 
 
@@ -249,27 +266,30 @@ def main(argv: list[str] | None = None) -> None:
         f"data {data_dir}; bpb over up to {budget:,} val tokens ({budget_source})"
     )
 
-    started = time.time()
-    val = DataLoader(
-        data_dir,
-        "val",
-        args.batch_size,
-        seq_len,
-        rt.rank,
-        rt.world_size,
-        0,
-        rt.device,
-        expected_fingerprint=tokenizer.fingerprint,
-        vocab_size=model.config.vocab_size,
-    )
-    shortfall = val.budget_shortfall(budget)
-    if shortfall:
-        warn0(shortfall)
-    n_batches = -(-min(budget // (seq_len * rt.world_size), val.rows_per_rank) // args.batch_size)
-    batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
-    bpb_model = maybe_compile(model, args.compile, rt.device)
-    bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
-    bench = None if args.skip_tasks else benchmark(args, custom_tasks, model, tokenizer, data_dir, rt.device, rt.dtype)
+    with tempfile.TemporaryDirectory(prefix="ppt_demo_task_") as demo_dir:
+        # found and checked now: an unknown or generative task stops the run before its bits-per-byte pass
+        tasks = None if args.skip_tasks else chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir))
+        started = time.time()
+        val = DataLoader(
+            data_dir,
+            "val",
+            args.batch_size,
+            seq_len,
+            rt.rank,
+            rt.world_size,
+            0,
+            rt.device,
+            expected_fingerprint=tokenizer.fingerprint,
+            vocab_size=model.config.vocab_size,
+        )
+        shortfall = val.budget_shortfall(budget)
+        if shortfall:
+            warn0(shortfall)
+        n_batches = -(-min(budget // (seq_len * rt.world_size), val.rows_per_rank) // args.batch_size)
+        batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
+        bpb_model = maybe_compile(model, args.compile, rt.device)
+        bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
+        bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype)
 
     if rt.is_master:
         print0(table(bpb, bench))

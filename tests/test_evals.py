@@ -390,6 +390,19 @@ def test_base_eval_says_when_the_val_split_is_smaller_than_the_budget(trained_ru
     assert f"in rows of 32 ({scored:,} tokens); all of them are scored" in captured.err
 
 
+def test_base_eval_checks_its_tasks_before_the_bits_per_byte_pass(trained_run, tmp_path, monkeypatch):
+    from ppt import evals
+    from scripts import base_eval
+
+    write_choice_task(demo_examples([" ".join(TEXTS)], n=4), tmp_path, "local_choice")
+    local_only = lambda include, include_defaults=True: task_manager(include, include_defaults=False)  # no index
+    monkeypatch.setattr(evals, "task_manager", local_only)
+    monkeypatch.setattr(base_eval, "evaluate_bpb", lambda *a, **k: pytest.fail("bpb ran before the task check"))
+    argv = ["--model-tag", "tiny-run", "--tasks", "local_choise", "--include-path", str(tmp_path), "--device", "cpu"]
+    with pytest.raises(PPTError, match="unknown lm-eval task 'local_choise'; did you mean local_choice"):
+        base_eval.main(argv)
+
+
 def test_base_eval_rejects_bad_checkpoints_and_tokenizers(trained_run, tmp_path, demo_data_dir):
     from ppt import checkpoint as ckpt
     from scripts import base_eval
