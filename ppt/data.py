@@ -346,9 +346,13 @@ class DataLoader:
         self.epoch, self.position = int(state["epoch"]), min(int(state["position"]), self.rows_per_rank)
         self._doc_pos_counts[:] = 0
 
+    def val_rows(self, max_tokens: int) -> int:
+        """The rows of this rank's share that `val_batches(max_tokens)` yields: the budget's, or all the split has."""
+        return min(max_tokens // (self.seq_len * self.world_size), self.rows_per_rank)
+
     def budget_shortfall(self, max_tokens: int) -> str | None:
         """Why `val_batches(max_tokens)` scores fewer rows than the budget asks, when the split is what runs out."""
-        if max_tokens // (self.seq_len * self.world_size) <= self.rows_per_rank:
+        if self.val_rows(max_tokens) == max_tokens // (self.seq_len * self.world_size):
             return None
         return (
             f"a val budget of {max_tokens:,} tokens is more than the {self.split} split of {self.data_dir} holds in "
@@ -361,7 +365,7 @@ class DataLoader:
         Every rank yields the same number of batches; the last may hold fewer than `batch_size` rows.
         Does not move the loader's own position.
         """
-        rows_each = min(max_tokens // (self.seq_len * self.world_size), self.rows_per_rank)
+        rows_each = self.val_rows(max_tokens)
         if rows_each == 0:
             raise PPTError(
                 f"a val budget of {max_tokens} tokens is less than one row of {self.seq_len} tokens per rank "

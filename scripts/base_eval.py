@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         shortfall = val.budget_shortfall(budget)
         if shortfall:
             warn0(shortfall)
-        n_batches = -(-min(budget // (seq_len * rt.world_size), val.rows_per_rank) // args.batch_size)
+        n_batches = -(-val.val_rows(budget) // args.batch_size)
         batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
         bpb_model = maybe_compile(model, args.compile, rt.device)
         bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
