@@ -429,7 +429,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         rule, rule_step, comparison_flops = comparison_flops_rule(model, seq_len), start_step, 0
         if start_step:
             warn0(f"{resume_path} predates comparison FLOPs: they are counted from step {start_step} on")
-    warnings = [rule.warning()] if rule.warning() else []
+    warnings = [rule_warning] if (rule_warning := rule.warning()) else []
     if untraced:  # one line when the rule's warning already says why the trace failed
         warnings = [f"{warnings[0]}; no MFU either"] if rule.untraced else [f"no MFU: {untraced}", *warnings]
     for warning in warnings:
@@ -553,7 +553,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             "per_token_one_document_per_row": rule.per_token(),
             "traced_at_step": rule_step,
             **rule.state_dict(),
-            **({"warning": rule.warning()} if rule.warning() else {}),  # what the rule cannot count as it says
+            **({"warning": rule_warning} if rule_warning else {}),  # what the rule cannot count as it says
         },
         wall_time_includes="seconds since this process started training (set-up, compilation, steps, evaluations, "
         "checkpoint writes), plus those of the processes before it up to the checkpoint it resumed from",

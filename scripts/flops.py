@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{si(6 * rule.params_matmul)} + mixers {si(rule.per_token() - 6 * rule.params_matmul)} over the pairs "
         "they need (the MFU convention counts SDPA over all T x T pairs)"
     )
-    if rule.warning():
-        print(f"warning: {rule.warning()}")
+    if warning := rule.warning():
+        print(f"warning: {warning}")
 
 
 if __name__ == "__main__":
