@@ -90,6 +90,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 RULE_RETRACE_STEPS = 50
 # A config field of this name, if the config has one, is set to the training row length (SPEC.md, the model contract).
 TRAIN_LENGTH_FIELD = "train_seq_len"
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay the step from CUDA graphs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,6 +334,15 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             f"({device_batch} x {seq_len} x {rt.world_size} = {tokens_per_micro}); choose sizes that divide"
         )
     grad_accum = total_batch // tokens_per_micro
+    use_compile = compile_enabled(args.compile, rt.device)
+    if use_compile and grad_accum > 1 and args.compile_mode in CUDA_GRAPH_MODES:
+        # torch's CUDA graph trees hand a backward graph's output to .grad and overwrite it on the next micro-batch's
+        # replay: an error on the H200 (torch 2.11, multiscreen-d16), wrong sums in some versions (pytorch #169545)
+        raise PPTError(
+            f"--compile-mode {args.compile_mode} (CUDA graphs) cannot accumulate gradients over {grad_accum} "
+            f"micro-batches: raise --device-batch-size to {total_batch // (seq_len * rt.world_size)} so that one "
+            "micro-batch makes the step, or use --compile-mode default or max-autotune-no-cudagraphs"
+        )
     if not args.benchmark and args.eval_tokens < seq_len * rt.world_size:  # found before training, not after it
         raise PPTError(
             f"--eval-tokens {args.eval_tokens} is less than one row of --seq-len {seq_len} per rank ({rt.world_size} "
@@ -347,7 +357,6 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     lr = args.lr or DEFAULT_LR[args.optimizer]
 
-    use_compile = compile_enabled(args.compile, rt.device)
     optimizer = build_optimizer(model, args.optimizer, lr=lr, weight_decay=args.weight_decay, compile=use_compile)
     train_loader = DataLoader(
         data_dir,
