@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ppt.common import PPTError
 from ppt.kernels.attention import attention, document_mask
 from ppt.kernels.cross_entropy import linear_cross_entropy
+from ppt.kernels.gated_output import gated_output
 from ppt.kernels.screening import KERNEL_HEAD_DIMS, screening, screening_metadata
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -270,12 +271,6 @@ class MultiscreenConfig:
         return self.psi**2
 
 
-def tanh_norm(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Rescale x to norm tanh(|x|): keeps direction, bounds the norm below 1, near identity for small x."""
-    norm = x.norm(dim=-1, keepdim=True).clamp_min(eps)
-    return x * (torch.tanh(norm) / norm)
-
-
 def mipe(z: torch.Tensor, window: torch.Tensor, positions: torch.Tensor, window_threshold: float) -> torch.Tensor:
     """Minimal positional encoding: rotate coordinates (0, 1) of each head by phi = pi * pos * gamma(w) / w.
 
@@ -347,11 +342,12 @@ class MultiscreenBlock(nn.Module):
         q = mipe(q, window, positions, self.config.window_threshold).to(v.dtype)
         k = mipe(k, window, positions, self.config.window_threshold).to(v.dtype)
         h = screening(q, k, v, window, rho, meta)  # (B, T, H, dV): sum of alpha * m * v
-        gate = torch.tanh(F.silu(project_heads(x, self.w_g)))
         # the per-head output scale e^{s_o} multiplies the small per-head w_o rather than the (B, T, H, dV)
         # activations: the same product, and its gradient is a reduction over w_o, not over every token
         w_o = self.w_o * self.s_o.exp()[:, None, None]
-        y = torch.einsum("bthv,hdv->btd", tanh_norm(h) * gate, w_o)  # the sum over heads
+        # y = sum over heads of (tanh_norm(h) * tanh(silu(x W_g))) @ w_o^T, one op whose CUDA forward never writes the
+        # gated product (ppt/kernels/gated_output.py)
+        y = gated_output(h, project_heads(x, self.w_g), w_o)
         # The residual stream takes the branch's dtype, as in the vanilla decoder: bf16 under autocast (the public
         # script's bf16 weights keep it in bf16 too), half the bytes of fp32 in its adds and gradient sums.
         return x.to(y.dtype) + y

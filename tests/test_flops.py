@@ -180,6 +180,30 @@ def test_custom_op_counts_through_its_registered_formula_with_learned_values(mon
     assert cost(unknown_windows, 1, 8).attention_flops == 100 * 8 * 8  # no values: the formula's upper bound
 
 
+def test_multiscreen_counts_the_same_flops_through_the_gated_output_op_as_through_its_reference(monkeypatch):
+    """On meta the trace runs gated_output's reference; one that met the op instead (its cost formula, then the torch
+    ops of its backward) would count the same N, MFU, matmul FLOPs of both passes and comparison rule."""
+    import ppt.model
+    from ppt.comparison_flops import comparison_flops_rule
+
+    torch.manual_seed(0)
+    model = build_model(get_config("multiscreen-tiny"))
+    model.init_weights()
+
+    def counted() -> tuple[Cost, tuple]:
+        step = cost(model, batch_size=2, seq_len=32)
+        matmuls = {row: step.flops[row] for row in (("primal", "matmul"), ("adjoint", "matmul"))}
+        rule = comparison_flops_rule(model, 32).state_dict()
+        return step, (step.params_matmul, step.flops_per_token, step.attention_flops, matmuls, rule)
+
+    reference, expected = counted()
+    monkeypatch.setattr(ppt.model, "gated_output", lambda h, g, w: torch.ops.ppt.gated_output(h, g, w.to(h.dtype)))
+    through_op, got = counted()
+    assert got == expected
+    booked = lambda step: {op for (_, _, _, op, _) in step.ops}
+    assert "gated_output" in booked(through_op) and "gated_output" not in booked(reference)
+
+
 def test_biases_count_as_active_parameters_under_autocast_too():
     """A bf16 trace casts a matmul's operands, a Linear's bias among them: the bias is still a parameter it reads."""
 

@@ -1,0 +1,116 @@
+"""Multiscreen's gated output projection, y = sum_head (tanh_norm(h) * tanh(silu(g)))_head @ w_head^T, on one GPU.
+
+    python -m bench.bench_gated_output                       # Multiscreen-d16's micro-batch: 32 x 4096 tokens
+    python -m bench.bench_gated_output --sweep               # and the forward kernel's candidate blocks
+    python -m bench.bench_gated_output --tokens 131072 --heads 24 --d-value 64 --d-model 576
+
+Two implementations, fwd and fwd+bwd, bf16, each under torch.compile as the model runs it: the reference (plain
+PyTorch: inductor's fused elementwise kernels and two cuBLAS matmuls, one more in the backward) and the op
+`ppt::gated_output` (gated_output_triton.py's forward kernel; its backward torch ops fused by inductor). Prints the
+device time of each (its kernels' own time by torch.profiler, a median of 10 calls) and the wall time of a call
+(triton.testing.do_bench, median), the error of each against float64 on a slice of the rows, and with --sweep the
+device time of the forward kernel at each candidate block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
+
+FORWARD_CANDIDATES = [
+    (32, 4, 2),
+    (64, 4, 2),
+    (64, 8, 1),
+    (64, 8, 2),
+    (64, 8, 3),
+    (128, 8, 2),
+    (128, 8, 3),
+    (128, 16, 2),
+]
+
+
+def device_ms(fn: object, calls: int = 10) -> float:
+    """Median over calls of the summed device time of the kernels one call of fn launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        times.append(sum(e.self_device_time_total for e in prof.events() if e.device_type.name == "CUDA") / 1e3)
+    return statistics.median(times)
+
+
+def wall_ms(fn: object) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=positive_int, default=32 * 4096, help="rows of h and g (batch x sequence)")
+    p.add_argument("--heads", type=positive_int, default=16)
+    p.add_argument("--d-value", type=positive_int, default=64)
+    p.add_argument("--d-model", type=positive_int, default=256)
+    p.add_argument("--sweep", action="store_true", help="time the forward kernel at every candidate block")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise PPTError("bench_gated_output times CUDA kernels and found no CUDA device; run it on a GPU machine")
+    from ppt.kernels import gated_output_triton as kernels
+    from ppt.kernels.gated_output import gated_output, gated_output_reference
+
+    torch.manual_seed(0)
+    N, H, dV, d = args.tokens, args.heads, args.d_value, args.d_model
+    h = (torch.randn(1, N, H, dV, device="cuda") * 0.3).bfloat16()
+    g = torch.randn(1, N, H, dV, device="cuda").bfloat16()
+    w = (torch.randn(H, d, dV, device="cuda") * 0.05).bfloat16()
+    grad_y = torch.randn(1, N, d, device="cuda").bfloat16()
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {N} tokens, {H} heads, dV {dV}, d {d}, bf16")
+
+    variants = {"reference": torch.compile(gated_output_reference), "ppt::gated_output": torch.compile(gated_output)}
+    leaves = [t.detach().requires_grad_() for t in (h, g, w)]
+
+    rows = slice(0, 4096)  # float64 check on a slice: the reference's einsum in float64 over every row is slow
+    sliced = lambda t: t[:, rows] if t.dim() == 4 else t
+    exact = [sliced(t).double().requires_grad_() for t in (h, g, w)]
+    ref_y = gated_output_reference(*exact)
+    refs = (ref_y, *torch.autograd.grad(ref_y, exact, grad_y[:, rows].double()))
+    for name, fn in variants.items():
+        part = [sliced(t).detach().requires_grad_() for t in (h, g, w)]
+        y = fn(*part)
+        got = (y, *torch.autograd.grad(y, part, grad_y[:, rows]))
+        errors = [(a.double() - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, refs)]
+        print(f"check {name:22s} " + " ".join(f"{n} {e:.1e}" for n, e in zip(("y", "dh", "dg", "dw"), errors)))
+
+    print("\n| implementation | fwd device ms | fwd+bwd device ms | fwd wall ms | fwd+bwd wall ms |")
+    print("|---|---|---|---|---|")
+    for name, fn in variants.items():
+        forward = lambda fn=fn: fn(h, g, w)
+        train = lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, grad_y)
+        print(f"| {name} | {device_ms(forward):.3f} | {device_ms(train):.3f} | {wall_ms(forward):.3f} | "
+              f"{wall_ms(train):.3f} |")  # fmt: skip
+
+    if args.sweep:
+        print("\nforward blocks (BLOCK_T, warps, stages): device ms")
+        for blocks in FORWARD_CANDIDATES:
+            print(f"  {blocks}: {timed(lambda b=blocks: kernels.gated_output_forward(h, g, w, b))}")
+
+
+def timed(fn: object) -> str:
+    """device_ms of fn, or why it could not run (a block that needs more registers or shared memory than an SM has)."""
+    try:
+        return f"{device_ms(fn):.3f}"
+    except Exception as exc:  # noqa: BLE001  (a candidate's failure is reported, the sweep goes on)
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+
+
+if __name__ == "__main__":
+    run_cli(main)
