@@ -345,8 +345,8 @@ class MultiscreenBlock(nn.Module):
         # the per-head output scale e^{s_o} multiplies the small per-head w_o rather than the (B, T, H, dV)
         # activations: the same product, and its gradient is a reduction over w_o, not over every token
         w_o = self.w_o * self.s_o.exp()[:, None, None]
-        # y = sum over heads of (tanh_norm(h) * tanh(silu(x W_g))) @ w_o^T, one op whose CUDA forward never writes the
-        # gated product (ppt/kernels/gated_output.py)
+        # y = sum over heads of (tanh_norm(h) * tanh(silu(x W_g))) @ w_o^T; compiled on CUDA, one op whose forward
+        # never writes the gated product (ppt/kernels/gated_output.py)
         y = gated_output(h, project_heads(x, self.w_g), w_o)
         # The residual stream takes the branch's dtype, as in the vanilla decoder: bf16 under autocast (the public
         # script's bf16 weights keep it in bf16 too), half the bytes of fp32 in its adds and gradient sums.

@@ -132,7 +132,7 @@ def test_cuda_matches_float64_reference(dtype, dV, d, tol):
     ref_y = gated_output_reference(*leaves)
     refs = [ref_y, *torch.autograd.grad(ref_y, leaves, grad_y.double())]
     inputs = [x.clone().requires_grad_() for x in (h, g, w)]
-    y = gated_output(*inputs)
+    y = torch.ops.ppt.gated_output(*inputs)  # the op itself: eager gated_output calls the reference
     for name, got, ref in zip(["y", "dh", "dg", "dw"], [y, *torch.autograd.grad(y, inputs, grad_y)], refs):
         assert torch.isfinite(got).all(), name
         err = float((got.double() - ref).abs().max() / ref.abs().max())
@@ -141,12 +141,13 @@ def test_cuda_matches_float64_reference(dtype, dV, d, tol):
 
 @cuda
 @pytest.mark.gpu
-def test_cuda_is_deterministic_and_compile_matches_eager():
+def test_cuda_op_is_deterministic_and_compiled_gated_output_matches_it():
     h, g, w, grad_y = random_case(2, 700, 4, 64, 256, dtype=torch.bfloat16, seed=5, device="cuda")
     leaves = [x.clone().requires_grad_() for x in (h, g, w)]
-    first = torch.autograd.grad(gated_output(*leaves), leaves, grad_y)
-    second = torch.autograd.grad(gated_output(*leaves), leaves, grad_y)
-    compiled = torch.compile(gated_output, fullgraph=True)
+    assert torch.equal(gated_output(*leaves), gated_output_reference(*leaves))  # eager: the reference
+    first = torch.autograd.grad(torch.ops.ppt.gated_output(*leaves), leaves, grad_y)
+    second = torch.autograd.grad(torch.ops.ppt.gated_output(*leaves), leaves, grad_y)
+    compiled = torch.compile(gated_output, fullgraph=True)  # compiled: the op
     third = torch.autograd.grad(compiled(*leaves), leaves, grad_y)
     for a, b, c in zip(first, second, third):
         assert torch.equal(a, b)
