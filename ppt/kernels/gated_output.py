@@ -8,7 +8,7 @@ For each token (h, g: (B, T, H, dV), the screening output and the gate's input; 
     y            = sum_head p_head @ w_head^T    (B, T, d)
 
 Public API:
-    y = gated_output(h, g, w)              the custom op `ppt::gated_output` on CUDA, the reference elsewhere
+    y = gated_output(h, g, w)              the custom op `ppt::gated_output` compiled on CUDA, else the reference
     y = gated_output_reference(h, g, w)    plain PyTorch, autograd through torch ops, float64-capable
     COST_FORMULAS                          {op packet: formula(*op_args)} -> {"matmul", "elementwise", "bytes"}
 
