@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -96,3 +98,22 @@ def run_tool(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> 
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def check_in_interpreter() -> Callable[[str, int], None]:
+    """check(script, n): run script under Triton's CPU interpreter (TRITON_INTERPRET must be set before triton is
+    imported, so in a subprocess); its last line is JSON {name: relative error against float64}, n entries, each of
+    which must be below 1e-5."""
+    pytest.importorskip("triton")
+
+    def check(script: str, expected: int) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        errors = json.loads(result.stdout.strip().splitlines()[-1])
+        assert len(errors) == expected, errors
+        bad = {name: err for name, err in errors.items() if not err < 1e-5}
+        assert not bad, f"relative errors above 1e-5: {bad}"
+
+    return check

@@ -2,10 +2,7 @@
 the Triton forward (in the CPU interpreter, and on CUDA when present) against float64, the cost formula, the
 fallback shapes."""
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -105,16 +102,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
-def test_triton_forward_in_interpreter_matches_float64_reference():
-    pytest.importorskip("triton")
-    script = _INTERPRETER_SCRIPT.format(test_dir=os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    errors = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(errors) == 3
-    bad = {blocks: err for blocks, err in errors.items() if not err < 1e-5}
-    assert not bad, f"relative errors above 1e-5: {bad}"
+def test_triton_forward_in_interpreter_matches_float64_reference(check_in_interpreter):
+    check_in_interpreter(_INTERPRETER_SCRIPT.format(test_dir=os.path.dirname(os.path.abspath(__file__))), 3)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

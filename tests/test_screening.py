@@ -1,11 +1,9 @@
 """The screening op: reference vs a naive formula, the op's autograd and registrations, the Triton kernels (in the
 CPU interpreter, and on CUDA when present) against a float64 reference, metadata, cost formulas and input errors."""
 
-import json
 import math
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -242,16 +240,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
-def test_triton_kernels_in_interpreter_match_float64_reference():
-    pytest.importorskip("triton")
-    script = _INTERPRETER_SCRIPT.format(test_dir=os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    errors = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(errors) == 19
-    bad = {name: err for name, err in errors.items() if not err < 1e-5}
-    assert not bad, f"relative errors above 1e-5: {bad}"
+def test_triton_kernels_in_interpreter_match_float64_reference(check_in_interpreter):
+    check_in_interpreter(_INTERPRETER_SCRIPT.format(test_dir=os.path.dirname(os.path.abspath(__file__))), 19)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
