@@ -23,12 +23,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppt.common import ArgumentParser, Number, PPTError, positive_int, run_cli, token_count
+from ppt.common import COMPILE_CHOICES, ArgumentParser, Number, PPTError, positive_int, run_cli, token_count
 from ppt.model import DEFAULT_CONFIG
 from ppt.optim import OPTIMIZERS
 from ppt.synthetic import write_synthetic_data
 
-COMPILE_CHOICES = ("auto", "on", "off")  # base_train's --compile
 ON_OFF = ("on", "off")
 MEASURED_AFTER = 5  # base_train --benchmark leaves the first 5 steps out of its figures
 

@@ -20,8 +20,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_train import COMPILE_CHOICES, launcher
-from ppt.common import ArgumentParser, Number, PPTError, nonneg_float, nonneg_int, positive_float, positive_int, run_cli
+from bench.bench_train import launcher
+from ppt.common import (
+    COMPILE_CHOICES,
+    ArgumentParser,
+    Number,
+    PPTError,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    run_cli,
+)
 from ppt.optim import OPTIMIZERS
 from ppt.synthetic import write_synthetic_data
 

@@ -181,6 +181,9 @@ def compile_works(device: torch.device) -> bool:
         return False
 
 
+COMPILE_CHOICES = ("auto", "on", "off")  # the --compile values compile_enabled reads
+
+
 def compile_enabled(choice: str, device: torch.device) -> bool:
     """Whether to torch.compile: choice "on", or "auto" on CUDA, and only where the toolchain works."""
     wanted = choice == "on" or (choice == "auto" and device.type == "cuda")

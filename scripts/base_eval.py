@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 import ppt.model
 from ppt.common import (
+    COMPILE_CHOICES,
     ArgumentParser,
     PPTError,
     atomic_file,
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument(
         "--compile",
-        choices=["auto", "on", "off"],
+        choices=COMPILE_CHOICES,
         default="auto",
         help="torch.compile the bpb forward (auto: on CUDA); lm-eval's varying shapes always run eager",
     )

@@ -33,6 +33,7 @@ import torch
 
 from ppt import checkpoint as ckpt
 from ppt.common import (
+    COMPILE_CHOICES,
     MAX_TOKENS,
     ArgumentParser,
     Number,
@@ -176,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-seed", type=nonneg_int, help="the initialization of the weights, and nothing else")
     g.add_argument(
         "--compile",
-        choices=["auto", "on", "off"],
+        choices=COMPILE_CHOICES,
         default="auto",
         help="torch.compile the model, and Muon/Aurora's orthogonalizations (auto: on CUDA)",
     )
