@@ -395,12 +395,10 @@ def class_launch(kind: str, c: dict, span_range: tuple[int, int], blocks: tuple)
     partials as long as the shipped DQ_PLAN's."""
     q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
     doc_start, doc_end = c["meta"]
-    B, T, H, _ = q.shape
     if kind == "forward":
         out = torch.empty_like(v)
         return lambda: kernels.forward_class(q, k, v, out, w, r, doc_start, *span_range, blocks)
-    query_tile = blocks[0] if kind == "dq" else min(b[0] for _, _, b in kernels.plan_classes(kernels.DQ_PLAN))
-    partials = torch.zeros((2, H, B * triton.cdiv(T, query_tile)), device=q.device, dtype=torch.float32)
+    partials = kernels.dq_partials(q, ((None, blocks),) if kind == "dq" else None)
     if kind == "dq":
         dq = torch.empty_like(q)
         return lambda: kernels.dq_class(q, k, v, g, dq, partials, w, r, doc_start, *span_range, blocks)

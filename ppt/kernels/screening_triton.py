@@ -392,6 +392,16 @@ def dkdv_class(
     )  # fmt: skip
 
 
+def dq_partials(q: Tensor, dq_plan: Plan | None = None) -> Tensor:
+    """The (2, H, n_parts) fp32 buffer a plan's dQ launches write their d window and d rho partials into: a row a
+    head, as long as the smallest query tiles need; with several classes a head's class may fill less of its row, so
+    the rest must read as zeros."""
+    B, T, H, _ = q.shape
+    classes = plan_classes(dq_plan or DQ_PLAN)
+    n_parts = B * max(triton.cdiv(T, blocks[0]) for _, _, blocks in classes)
+    return (torch.zeros if len(classes) > 1 else torch.empty)((2, H, n_parts), device=q.device, dtype=torch.float32)
+
+
 def screening_forward(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, plan: Plan | None = None
 ) -> Tensor:
@@ -416,17 +426,11 @@ def screening_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d window, d rho); the per-head grads are fp32 sums of per-program partials (deterministic)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    B, T, H, _ = q.shape
+    B, T = q.shape[:2]
     new_grad = torch.empty_like if B * T else torch.zeros_like  # no dK/dV program would write them
     d_window, d_rho = new_grad(window), new_grad(rho)
-    dq_classes = plan_classes(dq_plan or DQ_PLAN)
-    # a row of partials a head, as long as the smallest query tiles need; with several classes a head's class may
-    # fill less of its row, so the rest must read as zeros
-    n_parts = B * max(triton.cdiv(T, blocks[0]) for _, _, blocks in dq_classes)
-    partials = (torch.zeros if len(dq_classes) > 1 else torch.empty)(
-        (2, H, n_parts), device=q.device, dtype=torch.float32
-    )
-    for span_lo, span_hi, blocks in dq_classes:
+    partials = dq_partials(q, dq_plan)
+    for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
         dq_class(q, k, v, grad_out, dq, partials, window, rho, doc_start, span_lo, span_hi, blocks)
     for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
         dkdv_class(q, k, v, grad_out, dk, dv, partials, d_window, d_rho, window, rho, doc_start, doc_end,
