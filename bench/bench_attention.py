@@ -20,9 +20,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
-from ppt.kernels.attention import document_mask, flex_attention
+from ppt.kernels.attention import document_mask
 from ppt.model import get_config
 
 

@@ -13,14 +13,16 @@ Call `document_mask(doc_pos)` once per forward and pass its result to `attention
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:  # FlexAttention appeared in torch 2.5
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-except ImportError:  # pragma: no cover - older torch: the reference path only
-    BlockMask = create_block_mask = flex_attention = None
+# FlexAttention is imported where a forward first takes it: its module pulls in sympy, about 3 s at the start of
+# every process that never uses it (CPU runs, evaluation, --help). torch.compile traces the import statements.
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 def document_mask(doc_pos: Tensor | None, flex: bool | None = None) -> Tensor | BlockMask | None:
@@ -33,11 +35,10 @@ def document_mask(doc_pos: Tensor | None, flex: bool | None = None) -> Tensor | 
     if doc_pos is None:
         return None
     if flex is None:
-        flex = (
-            flex_attention is not None and doc_pos.is_cuda and torch.compiler.is_compiling() and torch.is_grad_enabled()
-        )
+        flex = doc_pos.is_cuda and torch.compiler.is_compiling() and torch.is_grad_enabled()
     B, T = doc_pos.shape
     if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
 
         def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
             return (kv <= q) & (q - kv <= doc_pos[b, q])
@@ -61,9 +62,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None) 
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if BlockMask is not None and isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-    return reference(q, k, v, mask)
+    if isinstance(mask, Tensor):
+        return reference(q, k, v, mask)
+    from torch.nn.attention.flex_attention import flex_attention  # a BlockMask: document_mask imported the module
+
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
