@@ -336,14 +336,6 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         )
     grad_accum = total_batch // tokens_per_micro
     use_compile = compile_enabled(args.compile, rt.device)
-    if use_compile and grad_accum > 1 and args.compile_mode in CUDA_GRAPH_MODES:
-        # torch's CUDA graph trees hand a backward graph's output to .grad and overwrite it on the next micro-batch's
-        # replay: an error on the H200 (torch 2.11, multiscreen-d16), wrong sums in some versions (pytorch #169545)
-        raise PPTError(
-            f"--compile-mode {args.compile_mode} (CUDA graphs) cannot accumulate gradients over {grad_accum} "
-            f"micro-batches: raise --device-batch-size to {total_batch // (seq_len * rt.world_size)} so that one "
-            "micro-batch makes the step, or use --compile-mode default or max-autotune-no-cudagraphs"
-        )
     if not args.benchmark and args.eval_tokens < seq_len * rt.world_size:  # found before training, not after it
         raise PPTError(
             f"--eval-tokens {args.eval_tokens} is less than one row of --seq-len {seq_len} per rank ({rt.world_size} "
@@ -501,6 +493,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
                 "forward (slower)"
             )
         train_model = wrap_ddp(train_model, rt, find_unused_parameters=find_unused)
+
+    keep_grads = use_compile and args.compile_mode in CUDA_GRAPH_MODES  # and zero them, not free them, each step
+    if keep_grads:
+        allocate_grads(model)
 
     # a benchmark writes no manifest: it must not overwrite the report of a real run with the same tag
     report = RunReport(tag, [cache_dir() / "reports", out_dir], enabled=rt.is_master and not args.benchmark)
@@ -730,7 +726,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             first_sync = now
         if not finite:
             skipped += 1
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=not keep_grads)
             if skipped > args.skip_nonfinite:
                 save_note = f"the last good checkpoint is {ckpt.latest_checkpoint(out_dir) or 'none (no save yet)'}"
                 raise PPTError(
@@ -746,7 +742,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             optimizer_times.append(timed(optimizer.step, rt.device))
         else:
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not keep_grads)
         step += 1
         tokens_seen += total_batch
         comparison_flops += rule.step_flops(counts)
@@ -842,6 +838,15 @@ def first_step_doc_pos_counts(
         next(loader)
     counts = loader.take_doc_pos_counts()
     return np.full(seq_len, counts.sum() // seq_len, dtype=np.int64) if args.no_doc_masks else counts
+
+
+def allocate_grads(model: torch.nn.Module) -> None:
+    """Give every trainable parameter a zero .grad. CUDA graph trees own the memory of a replayed backward's outputs
+    and overwrite it at the next replay, so no .grad may be such an output: with .grad allocated (and zeroed, not
+    freed, between steps) autograd adds each micro-batch's gradients into it in place."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def parameters_without_gradient(

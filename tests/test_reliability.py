@@ -578,11 +578,6 @@ BAD_INPUT = [
     pytest.param("base_train", [*TRAIN, "--eval-tokens", "10"], {},
                  r"--eval-tokens 10 is less than one row of --seq-len 32 per rank \(1 ranks\): raise --eval-tokens "
                  r"to at least 32$", id="train-eval-budget-below-a-row"),
-    pytest.param("base_train", [*TRAIN, "--compile", "on", "--compile-mode", "reduce-overhead",
-                                "--device-batch-size", "1"], {},
-                 r"--compile-mode reduce-overhead \(CUDA graphs\) cannot accumulate gradients over 2 "
-                 r"micro-batches: raise --device-batch-size to 2 .*or use --compile-mode default or "
-                 r"max-autotune-no-cudagraphs$", id="train-cuda-graphs-with-accumulation"),
     pytest.param("base_train", [*TRAIN, "--device", "gpu0"], {},
                  r"--device 'gpu0' is not a device name; use cpu, cuda, cuda:N or mps$", id="train-bad-device"),
     pytest.param("base_train", [*TRAIN, "--device", "xla"], {},
