@@ -5,17 +5,19 @@
 # multiscreen_gist.py, gen_bin_data.py and wandb_stub/ (default .ref/ of the checkout).
 usage() {
     cat <<'EOF'
-usage: bash bench/bench_multiscreen_e2e.sh PSI [SEED_ACCUM] [both|ppt|seed] [--ref DIR] [--steps N]
+usage: bash bench/bench_multiscreen_e2e.sh PSI [SEED_ACCUM] [both|ppt|seed] [--ref DIR] [--steps N] [--compile-mode M]
 
   PSI         Multiscreen size: 16, 24 or 32 (ppt's multiscreen-dPSI, the seed's DEPTH=PSI)
   SEED_ACCUM  the seed's GRAD_ACCUM_STEPS (default 1: one micro-batch of 262,144 tokens; Psi 24 needs 4 on an H200)
   both|ppt|seed  which side to run (default both)
   --ref DIR   the seed's folder (default .ref/ of the checkout)
   --steps N   optimizer steps per side (default 12; the first 5 are warm-up and not measured)
+  --compile-mode M  ppt's torch.compile mode (default: default; reduce-overhead replays the step from CUDA graphs)
 
   bash bench/bench_multiscreen_e2e.sh 16          # ppt, then the seed script, on one GPU
   bash bench/bench_multiscreen_e2e.sh 24 4        # the seed with GRAD_ACCUM_STEPS=4
   bash bench/bench_multiscreen_e2e.sh 24 4 seed --ref /path/to/seed
+  bash bench/bench_multiscreen_e2e.sh 16 --compile-mode reduce-overhead
 EOF
 }
 set -euo pipefail
@@ -25,6 +27,7 @@ fail() { echo "error: $*" >&2; exit 2; }
 positional=()
 ref="$root/.ref"
 steps=12
+compile_mode=default
 while [ $# -gt 0 ]; do
     case "$1" in
         -h | --help) usage; exit 0 ;;
@@ -32,6 +35,8 @@ while [ $# -gt 0 ]; do
         --ref=*) ref="${1#*=}"; shift ;;
         --steps) [ $# -ge 2 ] || fail "--steps needs a number"; steps="$2"; shift 2 ;;
         --steps=*) steps="${1#*=}"; shift ;;
+        --compile-mode) [ $# -ge 2 ] || fail "--compile-mode needs a mode"; compile_mode="$2"; shift 2 ;;
+        --compile-mode=*) compile_mode="${1#*=}"; shift ;;
         -*) fail "unknown option $1; see --help" ;;
         *) positional+=("$1"); shift ;;
     esac
@@ -45,6 +50,9 @@ case "$psi" in 16 | 24 | 32) ;; *) fail "PSI must be 16, 24 or 32 (ppt has multi
 [[ "$seed_accum" =~ ^[1-9][0-9]*$ ]] || fail "SEED_ACCUM must be a positive integer, got $seed_accum"
 [[ "$steps" =~ ^[0-9]+$ ]] && [ "$steps" -gt 5 ] || fail "--steps must be more than 5 (the first 5 are not measured)"
 case "$which" in both | ppt | seed) ;; *) fail "the third argument must be both, ppt or seed, got $which" ;; esac
+case "$compile_mode" in default | reduce-overhead | max-autotune-no-cudagraphs | max-autotune) ;;
+    *) fail "--compile-mode must be default, reduce-overhead, max-autotune-no-cudagraphs or max-autotune, got $compile_mode" ;;
+esac
 if [ "$which" != ppt ]; then
     for f in multiscreen_gist.py gen_bin_data.py wandb_stub; do
         [ -e "$ref/$f" ] || fail "the seed baseline needs $ref/$f: copy the seed's folder there, pass --ref DIR, or run ppt alone (third argument ppt)"
@@ -56,9 +64,10 @@ out="${TMPDIR:-/tmp}/ms_e2e_d${psi}"
 mkdir -p "$out"
 
 if [ "$which" != seed ]; then
-    echo "== ppt multiscreen-d${psi} =="
+    echo "== ppt multiscreen-d${psi}, compile mode ${compile_mode} =="
     python3 -m bench.bench_train --config "multiscreen-d${psi}" --seq-len 4096 --device-batch-size 32 \
-        --total-batch-tokens 262144 --optimizer aurora --steps "$steps" --out "$out/ppt.json" 2>&1 | tail -4 || true
+        --total-batch-tokens 262144 --optimizer aurora --steps "$steps" --out "$out/ppt.json" \
+        --compile-mode "$compile_mode" 2>&1 | tail -4 || true
 fi
 [ "$which" != ppt ] || exit 0
 

@@ -367,7 +367,16 @@ def test_bench_multiscreen_e2e_answers_help():
     assert result.returncode == 0 and result.stdout.startswith("usage:")
 
 
-@pytest.mark.parametrize("args", [[], ["17"], ["16", "1", "seed", "--ref", "/nonexistent"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["17"],
+        ["16", "1", "seed", "--ref", "/nonexistent"],
+        ["16", "--compile-mode", "fast"],
+        ["16", "--compile-mode"],
+    ],
+)
 def test_bench_multiscreen_e2e_names_what_it_needs(args):
     result = subprocess.run(["bash", E2E, *args], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
