@@ -494,7 +494,8 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             )
         train_model = wrap_ddp(train_model, rt, find_unused_parameters=find_unused)
 
-    keep_grads = use_compile and args.compile_mode in CUDA_GRAPH_MODES  # and zero them, not free them, each step
+    # under CUDA graphs every .grad is allocated once and zeroed, not freed, after each step (allocate_grads: why)
+    keep_grads = use_compile and args.compile_mode in CUDA_GRAPH_MODES
     if keep_grads:
         allocate_grads(model)
 
