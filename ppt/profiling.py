@@ -3,7 +3,8 @@
 `StepProfiler(device, first, steps)` records `steps` loop iterations after `first` others and one warm-up; call its
 `step()` at the start of every iteration and `stop()` after the loop. When the recorded iterations are done it prints
 the kernels (CUDA) or ops (CPU) that took the most time and, on CUDA, device time per kind of kernel against the
-iterations' wall time, so that time in which no kernel ran shows up too, and where in the step the GPU sat idle.
+iterations' wall time, so that time in which no kernel ran shows up too, the largest kernels by their full names,
+and where in the step the GPU sat idle.
 """
 
 from __future__ import annotations
@@ -95,11 +96,14 @@ def kernel_kind(event: object) -> str | None:
     return None
 
 
-def kernel_time_by_kind(prof: profile, steps: int, wall: float) -> str:
-    """Device time per iteration by kind of kernel, and its share of the iteration's wall time. A kernel counts once,
-    under the CPU op that launched it (torch's profiler links the two): inside a `ppt::` custom op it is that op's,
-    inside an optimizer's step the optimizer's, elsewhere its name says (KERNEL_KINDS)."""
+def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 12) -> str:
+    """Device time per iteration by kind of kernel, and its share of the iteration's wall time; then the `largest`
+    kernels by their own time, with their launches per iteration and full names (the table above cuts names short,
+    and inductor's differ only at the end). A kernel counts once, under the CPU op that launched it (torch's profiler
+    links the two): inside a `ppt::` custom op it is that op's, inside an optimizer's step the optimizer's,
+    elsewhere its name says (KERNEL_KINDS)."""
     per_kind: dict[str, float] = {}
+    per_kernel: dict[tuple[str, str], list[float]] = {}  # (kind, name): [seconds, launches] per iteration
     for event in prof.events():
         if event.device_type != DeviceType.CPU or not event.kernels:
             continue
@@ -107,10 +111,16 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float) -> str:
         for kernel in event.kernels:
             kind = context or next((k for k, pattern in KERNEL_KINDS if re.search(pattern, kernel.name, re.I)), "other")
             per_kind[kind] = per_kind.get(kind, 0.0) + kernel.duration / 1e6 / steps
+            seconds_launches = per_kernel.setdefault((kind, kernel.name), [0.0, 0.0])
+            seconds_launches[0] += kernel.duration / 1e6 / steps
+            seconds_launches[1] += 1 / steps
     busy = sum(per_kind.values())
     lines = [f"kernels {1000 * busy:.1f} ms per iteration ({100 * busy / wall:.1f}% of the wall time)"]
     for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {kind:40s} {1000 * seconds:8.1f} ms  {100 * seconds / wall:5.1f}%")
+    lines.append(f"the {min(largest, len(per_kernel))} largest kernels (ms and launches per iteration, kind, name):")
+    for (kind, name), (seconds, launches) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:largest]:
+        lines.append(f"  {1000 * seconds:8.2f} ms {launches:6.1f}x  {kind}: {name}")
     return "\n".join(lines)
 
 

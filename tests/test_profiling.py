@@ -25,6 +25,7 @@ def test_kernels_count_once_under_the_op_that_launched_them():
         op("ppt::screening_backward", step, [("_dkdv_kernel", 300), ("_dq_kernel", 100)]),
         op("nccl:all_reduce", step, [("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 200)]),
         op("aten::add", ddp, [("triton_poi_fused_mul_silu_0", 200)]),
+        op("aten::add", ddp, [("triton_poi_fused_mul_silu_0", 600)]),  # the same kernel again: one line, two launches
         # named after the ops fused into it, one of them a batched matmul whose output it reads: elementwise work
         op("aten::mul", ddp, [("triton_per_fused__to_copy__unsafe_view_add_bmm_clamp_min_div_eq_ge_3", 200)]),
         op("aten::mm", ddp, [("triton_tem_fused_mm_0", 200)]),  # an inductor matmul template (max-autotune)
@@ -34,18 +35,24 @@ def test_kernels_count_once_under_the_op_that_launched_them():
         op("aten::mm", optimizer, [("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", 80)]),  # Newton-Schulz: the optimizer's
         op("a device kernel itself", kernels=[("counted through its launch only", 999)], device=DeviceType.CUDA),
     ]
-    report = kernel_time_by_kind(SimpleNamespace(events=lambda: events), steps=2, wall=0.002)
+    report = kernel_time_by_kind(SimpleNamespace(events=lambda: events), steps=2, wall=0.002, largest=3)
     lines = report.splitlines()
-    assert lines[0] == "kernels 1.3 ms per iteration (65.0% of the wall time)"
-    kinds = {kind.strip(): float(ms) for kind, ms, _, _ in (line.rsplit(None, 3) for line in lines[1:])}
+    assert lines[0] == "kernels 1.6 ms per iteration (80.0% of the wall time)"
+    header = lines.index("the 3 largest kernels (ms and launches per iteration, kind, name):")
+    kinds = {kind.strip(): float(ms) for kind, ms, _, _ in (line.rsplit(None, 3) for line in lines[1:header])}
     assert kinds == {
         "matmul": 0.4,
         "ppt::screening (custom op)": 0.2,
         "ppt::screening_backward (custom op)": 0.2,
         "communication": 0.1,
-        "fused elementwise (inductor)": 0.3,
+        "fused elementwise (inductor)": 0.6,
         "optimizer": 0.1,
     }
+    assert lines[header + 1 :] == [
+        "      0.40 ms    1.0x  fused elementwise (inductor): triton_poi_fused_mul_silu_0",
+        "      0.30 ms    0.5x  matmul: nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT",
+        "      0.20 ms    0.5x  ppt::screening (custom op): _forward_kernel",
+    ]
 
 
 def kernel(name: str, start: float, end: float, launched_by: int) -> SimpleNamespace:
