@@ -102,7 +102,6 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 1
     and inductor's differ only at the end). A kernel counts once, under the CPU op that launched it (torch's profiler
     links the two): inside a `ppt::` custom op it is that op's, inside an optimizer's step the optimizer's,
     elsewhere its name says (KERNEL_KINDS)."""
-    per_kind: dict[str, float] = {}
     per_kernel: dict[tuple[str, str], list[float]] = {}  # (kind, name): [seconds, launches] per iteration
     for event in prof.events():
         if event.device_type != DeviceType.CPU or not event.kernels:
@@ -110,10 +109,12 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 1
         context = kernel_kind(event)
         for kernel in event.kernels:
             kind = context or next((k for k, pattern in KERNEL_KINDS if re.search(pattern, kernel.name, re.I)), "other")
-            per_kind[kind] = per_kind.get(kind, 0.0) + kernel.duration / 1e6 / steps
             seconds_launches = per_kernel.setdefault((kind, kernel.name), [0.0, 0.0])
             seconds_launches[0] += kernel.duration / 1e6 / steps
             seconds_launches[1] += 1 / steps
+    per_kind: dict[str, float] = {}
+    for (kind, _), (seconds, _) in per_kernel.items():
+        per_kind[kind] = per_kind.get(kind, 0.0) + seconds
     busy = sum(per_kind.values())
     lines = [f"kernels {1000 * busy:.1f} ms per iteration ({100 * busy / wall:.1f}% of the wall time)"]
     for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
