@@ -30,7 +30,12 @@ from triton.compiler import ASTSource
 from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"forward": "_forward_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
+# each kind's kernel name, then the shorter one of kernel files from before 2026-12-02 (--kernel-file)
+KERNELS = {
+    "forward": ("_screening_forward_kernel", "_forward_kernel"),
+    "dq": ("_screening_dq_kernel", "_dq_kernel"),
+    "dkdv": ("_screening_dkdv_kernel", "_dkdv_kernel"),
+}
 PLANS = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
 POINTERS = {"Q", "K", "V", "OUT", "DOUT", "DQ", "DK_OUT", "DV_OUT"}
 POINTER_TYPES = {"WINDOW": "*fp32", "RHO": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32", "DW_PART": "*fp32",
@@ -50,7 +55,8 @@ def compile_kernel(fn: object, blocks: tuple[int, ...], dk: int, dv: int, arch: 
     pointers = POINTERS | set(POINTER_TYPES)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers | ALIGNED}
     source = ASTSource(fn, types_, constexprs={k: v for k, v in constants.items() if k in names}, attrs=attrs)
-    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg[0]} if maxnreg else {})}
+    options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True}  # as the launches set it
+    options |= {"maxnreg": maxnreg[0]} if maxnreg else {}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -91,6 +97,14 @@ def load_kernels(path: Path) -> types.ModuleType:
     return module
 
 
+def kernel_of(module: types.ModuleType, kind: str) -> object:
+    """The kind's Triton kernel in a loaded kernel file, under its current name or its earlier one."""
+    for name in KERNELS[kind]:
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise PPTError(f"{module.__file__} defines none of {', '.join(KERNELS[kind])}: is it a screening kernel file?")
+
+
 def parse_blocks(text: str) -> tuple[int, ...]:
     try:
         blocks = tuple(int(x) for x in text.split(","))
@@ -125,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         else:  # kernel files from before the window-class plans
             own = [getattr(module, PLANS[kind].replace("PLAN", "BLOCKS"))]
         for blocks in args.blocks or own:
-            stats = sass_stats(compile_kernel(getattr(module, KERNELS[kind]), blocks, args.dk, args.dv, args.arch))
+            stats = sass_stats(compile_kernel(kernel_of(module, kind), blocks, args.dk, args.dv, args.arch))
             mix = ", ".join(f"{op} {n}" for op, n in stats["loop_mix"].most_common(6))
             occupancy = warps_per_sm(stats, blocks[2])
             print(f"{kind:<8} {str(blocks):<16} {stats['regs']:4d} {stats['stack']:5d} {stats['smem']:6d} "

@@ -21,8 +21,8 @@ def test_kernels_count_once_under_the_op_that_launched_them():
         ddp,
         screening,
         op("aten::mm", ddp, [("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", 600)]),
-        op("aten::copy_", screening, [("_forward_kernel", 400)]),  # launched by an op inside the custom op
-        op("ppt::screening_backward", step, [("_dkdv_kernel", 300), ("_dq_kernel", 100)]),
+        op("aten::copy_", screening, [("_screening_forward_kernel", 400)]),  # launched by an op inside the custom op
+        op("ppt::screening_backward", step, [("_screening_dkdv_kernel", 300), ("_screening_dq_kernel", 100)]),
         op("nccl:all_reduce", step, [("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 200)]),
         op("aten::add", ddp, [("triton_poi_fused_mul_silu_0", 200)]),
         op("aten::add", ddp, [("triton_poi_fused_mul_silu_0", 600)]),  # the same kernel again: one line, two launches
@@ -51,7 +51,7 @@ def test_kernels_count_once_under_the_op_that_launched_them():
     assert lines[header + 1 :] == [
         "      0.40 ms    1.0x  fused elementwise (inductor): triton_poi_fused_mul_silu_0",
         "      0.30 ms    0.5x  matmul: nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT",
-        "      0.20 ms    0.5x  ppt::screening (custom op): _forward_kernel",
+        "      0.20 ms    0.5x  ppt::screening (custom op): _screening_forward_kernel",
     ]
 
 

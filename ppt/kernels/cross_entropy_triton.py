@@ -70,5 +70,8 @@ def cross_entropy_grad_(z: Tensor, targets: Tensor, blocks: tuple[int, int] | No
     n_kept = (targets != -1).sum()
     row_loss = torch.empty(N, device=z.device, dtype=torch.float32)
     if N:
-        _cross_entropy_kernel[(N,)](z, targets, n_kept, row_loss, V=V, BLOCK_V=block_v, num_warps=num_warps)
+        _cross_entropy_kernel[(N,)](
+            z, targets, n_kept, row_loss, V=V, BLOCK_V=block_v, num_warps=num_warps,
+            enable_fp_fusion=True,  # FMAs on every Triton (3.10 turns them off by default)
+        )  # fmt: skip
     return row_loss.sum() / n_kept  # 0 / 0 = NaN with every target ignored, as F.cross_entropy gives

@@ -40,7 +40,7 @@ def _load_head(PTR, rows, row_ok, head, H: tl.constexpr, DV: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(
+def _gated_output_kernel(
     H_IN, G, W, Y, n_rows,
     H: tl.constexpr, DV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
     FAST: tl.constexpr,
@@ -82,8 +82,8 @@ def gated_output_forward(h: Tensor, g: Tensor, w: Tensor, blocks: tuple[int, int
     y = h.new_empty((B, T, d))
     n_rows = B * T
     if n_rows:
-        _forward_kernel[(triton.cdiv(n_rows, block_t),)](
+        _gated_output_kernel[(triton.cdiv(n_rows, block_t),)](
             h, g, w, y, n_rows, H=H, DV=dV, D=d, BLOCK_T=block_t, PRECISION=_precision(h), FAST=_fast(h),
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, enable_fp_fusion=True,  # FMAs on every Triton (3.10 turns them off)
         )  # fmt: skip
     return y

@@ -160,7 +160,7 @@ def _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _forward_kernel(
+def _screening_forward_kernel(
     Q, K, V, OUT, WINDOW, RHO, DOC_START,
     T, H, stride_b, stride_t, stride_vb, stride_vt, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -201,7 +201,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _dq_kernel(
+def _screening_dq_kernel(
     Q, K, V, DOUT, DQ, DW_PART, DRHO_PART, WINDOW, RHO, DOC_START,
     T, H, stride_b, stride_t, stride_vb, stride_vt, n_parts, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -266,7 +266,7 @@ def _row_sum(PTR, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_kernel(
+def _screening_dkdv_kernel(
     Q, K, V, DOUT, DK_OUT, DV_OUT, DW_PART, DRHO_PART, DW_OUT, DRHO_OUT, WINDOW, RHO, DOC_START, DOC_END,
     T, H, stride_b, stride_t, stride_vb, stride_vt, n_parts, span_lo, span_hi,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -334,8 +334,12 @@ def _shape_args(q: Tensor, v: Tensor) -> tuple[int, ...]:
 
 
 def _launch_options(blocks: Blocks) -> dict[str, int]:
+    # multiply-adds fused into FMAs, as every measurement here used: Triton 3.9 warns that its default turns this
+    # off in 3.10, so the choice is made here and holds on every Triton
     warps, stages, *maxnreg = blocks[2:]
-    return dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg[0]} if maxnreg else {}))
+    return dict(
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True, **({"maxnreg": maxnreg[0]} if maxnreg else {})
+    )
 
 
 def plan_classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
@@ -354,7 +358,7 @@ def forward_class(
     """One class's forward launch: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
-    _forward_kernel[(B * H, triton.cdiv(T, block_m))](
+    _screening_forward_kernel[(B * H, triton.cdiv(T, block_m))](
         q, k, v, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
         DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
     )  # fmt: skip
@@ -368,7 +372,7 @@ def dq_class(
     d rho partials, one per program, at the start of their rows of `partials` (2, H, n_parts) fp32."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
-    _dq_kernel[(B * H, triton.cdiv(T, block_m))](
+    _screening_dq_kernel[(B * H, triton.cdiv(T, block_m))](
         q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
         partials.shape[-1], span_lo, span_hi,
         DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
@@ -384,7 +388,7 @@ def dkdv_class(
     `d_window` and `d_rho` (H,) as the sums of their rows of the dQ launches' `partials`."""
     B, T, H, dK = q.shape
     block_m, block_n = blocks[:2]
-    _dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
+    _screening_dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
         q, k, v, grad_out, dk, dv, partials[0], partials[1], d_window, d_rho, window, rho, doc_start, doc_end,
         *_shape_args(q, v), partials.shape[-1], span_lo, span_hi,
         DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SUM_BLOCK=256,
