@@ -183,6 +183,7 @@ def test_heads_longer_than_the_training_length_see_the_whole_prefix_after_reload
 
     def train(*extra: str) -> None:
         sizes = "--seq-len 64 --device-batch-size 2 --total-batch-tokens 128 --target-tokens 1e6 --eval-tokens 256"
+        sizes += " --device cpu --compile off"  # on a GPU machine too: a compile would take minutes
         base_train.main(["--config", "multiscreen-tiny", "--optimizer", "aurora", *sizes.split(),
                          "--data-dir", str(demo_data_dir), "--out-dir", str(tmp_path), *extra])  # fmt: skip
 
