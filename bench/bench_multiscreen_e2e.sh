@@ -83,5 +83,5 @@ import re, statistics, sys
 times = [float(t) for t in re.findall(r"step:\d+/\d+ train_loss:\S+ .* step_time:([\d.]+)s", open(sys.argv[1]).read())]
 measured = times[5:] or times
 print(f"seed: {len(measured)} steps measured, median step {statistics.median(measured):.3f}s, "
-      f"{262144 / statistics.median(measured):,.0f} tok/s")
+      f"{262144 / statistics.median(measured):,.0f} tok/s (its log gives step times to the ms)")
 PY
