@@ -101,6 +101,8 @@ def run_tool(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> 
     def run(module: str, *args: str) -> tuple[int, str, str]:
         capsys.readouterr()
         monkeypatch.setattr(sys, "argv", [module, *args])
+        # as a fresh `python -m` sees it: runpy warns when a test imported the module before
+        monkeypatch.delitem(sys.modules, module, raising=False)
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
