@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -38,17 +37,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def signal_handlers_restored() -> Iterator[None]:
-    """base_train installs SIGTERM/SIGINT handlers (save, then stop); a test that runs it in-process must not leave
-    them behind, or a timeout's SIGTERM or a Ctrl-C no longer stops pytest. Module-scoped fixtures that train restore
-    their own: they run before this snapshot."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 @pytest.fixture(autouse=True)

@@ -187,7 +187,6 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
     from scripts import base_train
 
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}  # base_train installs its own
     threads = torch.get_num_threads()
     try:
         with pytest.MonkeyPatch.context() as mp:
@@ -198,8 +197,6 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
             base_train.main([*two, *blocks, "--out-dir", str(dirs["blocks_one"])])
     finally:
         torch.set_num_threads(threads)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
         try:
             launch.wait(timeout=180)
         except subprocess.TimeoutExpired:

@@ -56,16 +56,6 @@ def train_argv(data_dir: Path, out_dir: Path, tag: str, *extra: str) -> list[str
     ]  # fmt: skip
 
 
-def train(argv: list[str]) -> None:
-    """base_train in-process; its SIGTERM/SIGINT handlers are put back afterwards so pytest's Ctrl-C still works."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        base_train.main(argv)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
 def manifest(out_dir: Path, tag: str) -> dict:
     return json.loads((out_dir / f"{tag}.json").read_text())
 
@@ -100,7 +90,7 @@ def reference(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PPT_CACHE", str(cache))
         mp.delitem(sys.modules, "wandb", raising=False)  # so an import by this run would show
-        train(train_argv(demo_data_dir, out, "reference"))
+        base_train.main(train_argv(demo_data_dir, out, "reference"))
         wandb_imported = "wandb" in sys.modules
     return Reference(
         trajectory(manifest(out, "reference")["history"]), ckpt.checkpoint_path(out, STEPS), wandb_imported
@@ -150,7 +140,7 @@ def test_sigkill_at_a_random_step_then_resume_reproduces_the_uninterrupted_run(
     ckpt.checkpoint_path(out, step + 1).write_bytes(last_complete.read_bytes()[:2000])
     (out / f".step_{step + 2:08d}.pt.4242.tmp").write_bytes(b"half a checkpoint")
 
-    train(train_argv(demo_data_dir, out, "killed", "--resume", "auto"))
+    base_train.main(train_argv(demo_data_dir, out, "killed", "--resume", "auto"))
     printed = capsys.readouterr().out
     print(f"killed after step {kill_after}")  # shown if what follows fails
     assert f"resumed from {last_complete} at step {step}" in printed
@@ -180,7 +170,7 @@ def test_a_second_run_on_the_same_directory_stops_naming_the_first_and_sigterm_r
             break
     assert (out / locks.LOCK_NAME).is_file(), "".join(log)
     with pytest.raises(PPTError) as second:
-        train(train_argv(demo_data_dir, out, "second"))
+        base_train.main(train_argv(demo_data_dir, out, "second"))
     assert re.search(
         rf"checkpoints is in use by another run: pid {proc.pid} on \S+, started .*scripts/base_train", str(second.value)
     )
@@ -199,8 +189,9 @@ def test_signals_and_max_steps_save_then_resume_reproduces_the_uninterrupted_run
 ):
     stop_at = SAVE_EVERY + 2  # not a save boundary: the stop itself must save
     out = tmp_path / "checkpoints"
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     if stop == "max-steps":
-        train(train_argv(demo_data_dir, out, "stopped", "--max-steps", str(stop_at)))
+        base_train.main(train_argv(demo_data_dir, out, "stopped", "--max-steps", str(stop_at)))
         assert manifest(out, "stopped")["train"]["steps"] == STEPS  # the schedule is the full run's
     else:
         sig = getattr(signal, stop)
@@ -214,13 +205,14 @@ def test_signals_and_max_steps_save_then_resume_reproduces_the_uninterrupted_run
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(RunReport, "log_step", signal_after_step)
             with pytest.raises(SystemExit) as stopped:
-                train(train_argv(demo_data_dir, out, "stopped"))
+                base_train.main(train_argv(demo_data_dir, out, "stopped"))
         assert stopped.value.code == 128 + sig
         assert f"stopped by signal {int(sig)} at step {stop_at}; resume with --resume auto" in capsys.readouterr().out
         assert manifest(out, "stopped")["stopped_at"] == stop_at
     assert ckpt.latest_checkpoint(out) == ckpt.checkpoint_path(out, stop_at)
 
-    train(train_argv(demo_data_dir, out, "stopped", "--resume", "auto"))
+    base_train.main(train_argv(demo_data_dir, out, "stopped", "--resume", "auto"))
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # main put its handlers back, also on a stop
     assert_matches_reference(reference, out, "stopped")
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [8, 12]  # --keep 2
 
@@ -234,7 +226,7 @@ def test_divergence_stops_naming_the_step_and_the_last_good_checkpoint(skip_budg
     out = tmp_path / "checkpoints"
     argv = train_argv(demo_data_dir, out, "diverged", "--lr", "1e6", "--save-every", "1")
     with pytest.raises(PPTError) as diverged:
-        train([*argv, "--skip-nonfinite", str(skip_budget)])
+        base_train.main([*argv, "--skip-nonfinite", str(skip_budget)])
     found = re.fullmatch(
         r"non-finite loss/gradient at step (\d+) \(loss .*\); the last good checkpoint is (\S+)\. "
         r"Lower --lr, or pass --skip-nonfinite N to skip such steps",
@@ -266,11 +258,11 @@ def test_skip_nonfinite_skips_a_bad_step_and_counts_it_across_a_resume(demo_data
         return torch.full_like(norm, float("inf"))
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", overflow_on_the_third_step)
-    train(train_argv(demo_data_dir, out, "skipping", "--skip-nonfinite", "1", "--max-steps", "6"))
+    base_train.main(train_argv(demo_data_dir, out, "skipping", "--skip-nonfinite", "1", "--max-steps", "6"))
     assert "step 3: non-finite loss/gradient, step skipped (1/1)" in capsys.readouterr().err
     assert manifest(out, "skipping")["skipped_nonfinite_steps"] == 1
 
-    train(train_argv(demo_data_dir, out, "skipping", "--skip-nonfinite", "1", "--resume", "auto"))
+    base_train.main(train_argv(demo_data_dir, out, "skipping", "--skip-nonfinite", "1", "--resume", "auto"))
     data = manifest(out, "skipping")
     assert data["skipped_nonfinite_steps"] == 1 and data["steps_done"] == STEPS
     assert [h["step"] for h in data["history"] if "loss" in h] == [s for s in range(1, STEPS + 1) if s != 3]
@@ -309,7 +301,7 @@ def test_a_checkpoint_write_that_fills_the_disk_keeps_the_previous_checkpoint(de
 
     monkeypatch.setattr(torch, "save", disk_full_on_the_second_save)
     with pytest.raises(PPTError, match=r"could not write checkpoint .*step_00000008\.pt \(No space left on device\); "):
-        train(train_argv(demo_data_dir, out, "diskfull", "--keep", "1"))
+        base_train.main(train_argv(demo_data_dir, out, "diskfull", "--keep", "1"))
     assert sorted(p.name for p in out.glob("step_*")) == ["step_00000004.pt"]  # not pruned, no temp file left
     assert ckpt.load_checkpoint(ckpt.latest_checkpoint(out))["step"] == SAVE_EVERY
     assert not list(out.glob(".*.tmp"))
@@ -323,7 +315,7 @@ def test_a_refused_run_leaves_no_directory_it_made(demo_data_dir, tmp_path):
     (existing / "notes.txt").write_text("mine")
     for out_dir in (fresh, existing):
         with pytest.raises(PPTError, match="less than one step"):
-            train(train_argv(demo_data_dir, out_dir, out_dir.name, "--target-tokens", "10"))
+            base_train.main(train_argv(demo_data_dir, out_dir, out_dir.name, "--target-tokens", "10"))
     assert not fresh.exists() and sorted(p.name for p in existing.iterdir()) == ["notes.txt"]
 
 
@@ -335,7 +327,7 @@ def test_data_whose_prepare_stopped_early_trains_with_a_warning(demo_data_dir, t
     meta = read_meta(data)
     meta["progress"]["complete"] = False
     write_meta(data, meta)
-    train(train_argv(data, tmp_path / "out", "unfinished", "--max-steps", "1"))
+    base_train.main(train_argv(data, tmp_path / "out", "unfinished", "--max-steps", "1"))
     warnings = [line for line in capsys.readouterr().err.splitlines() if "stopped before it finished" in line]
     assert warnings == [
         f"warning: the prepare of {data} stopped before it finished ({meta['train']['shards']} train shards); "
@@ -349,7 +341,7 @@ def test_too_little_free_space_fails_before_training(demo_data_dir, tmp_path, mo
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: almost_full)
     message = r"only 1\.0 MB free under .*; a checkpoint takes about 10\.\d MB, and two \(2\d\.\d MB\) must fit"
     with pytest.raises(PPTError, match=message):
-        train(train_argv(demo_data_dir, out, "nospace"))
+        base_train.main(train_argv(demo_data_dir, out, "nospace"))
     assert "step " not in capsys.readouterr().out and not list(out.glob("step_*"))
 
 

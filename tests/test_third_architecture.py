@@ -7,7 +7,6 @@ that say they count 6N alone."""
 from __future__ import annotations
 
 import json
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,16 +23,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 def train(data: Path, out: Path, config: str) -> dict:
     """Four steps of 2 x 32 tokens on CPU, evaluated at the end; the manifest."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        base_train.main([
-            "--config", config, "--data-dir", str(data), "--out-dir", str(out), "--tag", out.name,
-            "--seq-len", "32", "--total-batch-tokens", "64", "--device-batch-size", "2", "--target-tokens", "256",
-            "--eval-every", "0", "--eval-tokens", "256", "--compile", "off", "--device", "cpu",
-        ])  # fmt: skip
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    base_train.main([
+        "--config", config, "--data-dir", str(data), "--out-dir", str(out), "--tag", out.name,
+        "--seq-len", "32", "--total-batch-tokens", "64", "--device-batch-size", "2", "--target-tokens", "256",
+        "--eval-every", "0", "--eval-tokens", "256", "--compile", "off", "--device", "cpu",
+    ])  # fmt: skip
     return json.loads((out / f"{out.name}.json").read_text())
 
 
