@@ -28,6 +28,7 @@ from torch import nn
 
 from ppt import checkpoint as ckpt
 from ppt.common import PPTError, cache_dir, few
+from ppt.run import RunRecord
 from ppt.shards import default_data_dir, load_data_tokenizer
 from ppt.tokenizer import Tokenizer, load_tokenizer
 
@@ -104,14 +105,11 @@ class LoadedRun:
         reports = cache_dir() / "reports" / f"{self.tag}.json"
         return [reports] if self.hf_dir else [reports, self.path.parent / f"{self.tag}.json"]
 
-    def manifest(self) -> dict[str, Any]:
-        """The first manifest that exists and parses, else {}."""
-        for path in self.manifest_paths:
-            try:
-                return json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-        return {}
+    def record(self) -> RunRecord | None:
+        """The training run's record (the first of manifest_paths that exists); None when it has none, as a Hugging
+        Face folder never has."""
+        path = next((p for p in self.manifest_paths if p.is_file()), None)
+        return RunRecord.load(path) if path and not self.hf_dir else None
 
 
 def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | None = None) -> tuple[Path, str]:
@@ -162,7 +160,7 @@ def load_run(
 def load_tokenizer_for(run: LoadedRun, data_dir: str | Path | None = None) -> tuple[Tokenizer, Path]:
     """The tokenizer of `data_dir` (default: the run's recorded data dir; for a Hugging Face folder its own
     tokenizer.json; else the default data dir), checked against the fingerprint the model was trained with."""
-    recorded = run.manifest().get("data", {}).get("dir")
+    recorded = (record := run.record()) and record.data["dir"]
     if not data_dir and recorded and not (Path(recorded) / "meta.json").is_file():
         raise PPTError(
             f"{run.path} was trained on {recorded} (its run manifest says), which holds no prepared data now; "

@@ -52,6 +52,7 @@ from ppt.common import (
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
 from ppt.model_io import LoadedRun, ModelFile, load_run, load_tokenizer_for
+from ppt.run import RunRecord
 from ppt.shards import list_shards, read_shard
 from ppt.tokenizer import Tokenizer
 
@@ -100,20 +101,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_seq_len(args: argparse.Namespace, run: LoadedRun, max_seq_len: int) -> int:
-    seq_len = args.seq_len or run.manifest().get("train", {}).get("seq_len") or min(2048, max_seq_len)
+def resolve_seq_len(args: argparse.Namespace, record: RunRecord | None, max_seq_len: int) -> int:
+    seq_len = args.seq_len or (record and record.train.seq_len) or min(2048, max_seq_len)
     if seq_len > max_seq_len:
         raise PPTError(f"--seq-len {seq_len} exceeds the model's max_seq_len {max_seq_len}; lower --seq-len")
     return seq_len
 
 
-def resolve_eval_tokens(args: argparse.Namespace, run: LoadedRun) -> tuple[int, str]:
+def resolve_eval_tokens(args: argparse.Namespace, record: RunRecord | None) -> tuple[int, str]:
     """(val token budget, where it comes from): --eval-tokens, else what the training run scored, else the default."""
     if args.eval_tokens:
         return int(args.eval_tokens), "--eval-tokens"
-    recorded = run.manifest().get("train", {}).get("eval_tokens")
-    if recorded:
-        return int(recorded), "the training run's --eval-tokens, from its manifest"
+    if record:
+        return record.train.eval_tokens, "the training run's --eval-tokens, from its record"
     return DEFAULT_EVAL_TOKENS, "the default, base_train's too"
 
 
@@ -194,33 +194,30 @@ def table(bpb: dict[str, float], bench: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def update_manifests(run: LoadedRun, evaluation: dict[str, Any]) -> list[Path]:
-    """Put `evaluation` under the manifests' `eval` key (merged when the same checkpoint was evaluated before),
-    writing each file atomically; a run without a manifest gets one in the reports dir."""
-    existing = [path for path in run.manifest_paths if path.is_file()] or run.manifest_paths[:1]
+def save_evaluation(run: LoadedRun, evaluation: dict[str, Any]) -> list[Path]:
+    """Put `evaluation` into the run's records (`eval`, merged when the same checkpoint was evaluated before), each
+    written atomically; a model without a training record gets a file of its own in the reports dir."""
+    existing = [path for path in run.manifest_paths if path.is_file() and not run.hf_dir]
     for path in existing:
-        try:
-            manifest = json.loads(path.read_text()) if path.is_file() else {"run": run.tag}
-        except json.JSONDecodeError as exc:
-            raise PPTError(f"{path} is not valid JSON ({exc}); fix or delete it, then evaluate again") from exc
-        previous = manifest.get("eval", {})
-        same = previous.get("checkpoint") == evaluation["checkpoint"]
-        manifest["eval"] = {**previous, **evaluation} if same else evaluation
-        try:
-            with atomic_file(path) as f:
-                f.write(json.dumps(manifest, indent=1, default=str).encode("utf-8"))
-        except OSError as exc:
-            raise PPTError(
-                f"could not write the results into {path} ({exc.strerror or exc}); the previous version is untouched: "
-                "free disk space and evaluate again"
-            ) from exc
-    return existing
+        record = RunRecord.load(path)
+        same = (record.eval or {}).get("checkpoint") == evaluation["checkpoint"]
+        record.eval = {**record.eval, **evaluation} if same else evaluation
+        record.write([path])
+    if existing:
+        return existing
+    path = run.manifest_paths[0]
+    try:
+        with atomic_file(path) as f:
+            f.write(json.dumps({"run": run.tag, "eval": evaluation}, indent=1, default=str).encode("utf-8"))
+    except OSError as exc:
+        raise PPTError(f"could not write the results into {path} ({exc.strerror or exc}); free disk space") from exc
+    return [path]
 
 
-def log_to_wandb(manifest: dict[str, Any], evaluation: dict[str, Any]) -> str | None:
-    """Log the scores to the wandb run the training run logged to (its manifest's `wandb` key), continuing it.
+def log_to_wandb(record: RunRecord | None, evaluation: dict[str, Any]) -> str | None:
+    """Log the scores to the wandb run the training run logged to (its record's `wandb`), continuing it.
     Returns the run id, or None when there is none or wandb is not installed."""
-    recorded = manifest.get("wandb") or {}
+    recorded = (record and record.wandb) or {}
     if not recorded.get("id"):
         return None
     try:
@@ -259,8 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     run = load_run(args.model_tag, args.checkpoint, args.hf_dir, model_file)
     model = model_file.build_from_checkpoint(run, rt.device)
     tokenizer, data_dir = load_tokenizer_for(run, args.data_dir)
-    seq_len = resolve_seq_len(args, run, model.config.max_seq_len)
-    budget, budget_source = resolve_eval_tokens(args, run)
+    record = run.record()
+    seq_len = resolve_seq_len(args, record, model.config.max_seq_len)
+    budget, budget_source = resolve_eval_tokens(args, record)
     origin = "Hugging Face folder" if run.hf_dir else f"step {run.state.get('step')}"
     print0(
         f"{run.path} ({origin}, {type(model).__name__}) on {rt.device} {str(rt.dtype).removeprefix('torch.')}; "
@@ -311,9 +309,9 @@ def main(argv: list[str] | None = None) -> None:
         }
         if bench:
             evaluation["benchmarks"] = bench
-        for path in update_manifests(run, evaluation):
+        for path in save_evaluation(run, evaluation):
             print0(f"report: {path}")
-        if not args.no_wandb and (run_id := log_to_wandb(run.manifest(), evaluation)):
+        if not args.no_wandb and (run_id := log_to_wandb(record, evaluation)):
             print0(f"wandb: logged to run {run_id}")
     shutdown_runtime()
 

@@ -7,7 +7,7 @@ python -m scripts.base_train --from-manifest RUN.json --tag rerun   # relaunch a
 python -m scripts.base_train ... --resume auto             # continue a stopped or killed run from its newest checkpoint
 
 A run owns its checkpoint directory and its name (--tag) while it runs: a second run with either stops at once.
-One file of ~900 lines on purpose, as nanoGPT's train.py: the loop reads top to bottom, set-up to the last save.
+The Trainer below reads in its phases' order: resolve the settings, build, plan the budget, the loop, the finish.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import gc
 import json
 import math
 import os
-import shlex
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -65,7 +65,7 @@ from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
 from ppt.model import CONFIGS, DEFAULT_CONFIG, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
-from ppt.report import RunReport
+from ppt.run import Evaluation, RunRecord, TrainSettings, plot_losses
 from ppt.shards import check_prepared, default_data_dir, load_data_tokenizer
 
 # Published recipes, as their public configurations state them; flags given beside --recipe override single values.
@@ -92,6 +92,7 @@ RULE_RETRACE_STEPS = 50
 # A config field of this name, if the config has one, is set to the training row length (SPEC.md, the model contract).
 TRAIN_LENGTH_FIELD = "train_seq_len"
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay the step from CUDA graphs
+CHECKPOINT_FORMAT = 2  # a checkpoint records its settings (TrainSettings), which a resume must continue
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,14 +240,14 @@ NOT_RELAUNCHED = ("from_manifest", "resume")
 def relaunch_defaults(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The settings a manifest recorded for a relaunch, as parser defaults."""
     try:
-        recorded = json.loads(Path(path).read_text())["args"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        recorded = RunRecord.load(path).args
+    except PPTError as exc:
         raise PPTError(
-            f"cannot relaunch from {path} ({type(exc).__name__}: {exc}); pass the JSON manifest base_train wrote for "
-            "the run (<cache>/reports/<tag>.json or beside its checkpoints)"
+            f"cannot relaunch from {path} ({exc}); pass the record base_train wrote for the run "
+            "(<cache>/reports/<tag>.json or beside its checkpoints)"
         ) from exc
     if not isinstance(recorded, dict):
-        raise PPTError(f"{path}'s 'args' is not a mapping of settings; pass the JSON manifest base_train wrote")
+        raise PPTError(f"{path}'s 'args' is not a mapping of settings; pass the record base_train wrote")
     actions = {action.dest: action for action in parser._actions}
     unknown = sorted(set(recorded) - set(actions))
     if unknown:
@@ -273,14 +274,6 @@ def checked_setting(path: Path, action: argparse.Action, value: Any) -> Any:
     return value
 
 
-def saved_batch_tokens(state: dict[str, Any]) -> int | None:
-    """The tokens per step a checkpoint trained at: recorded, or (older checkpoints) its tokens over its steps."""
-    if "total_batch_tokens" in state:
-        return state["total_batch_tokens"]
-    steps = state["step"] - state.get("skipped_nonfinite_steps", 0)  # a skipped step trains no tokens
-    return state["tokens"] // steps if steps > 0 and state["tokens"] % steps == 0 else None
-
-
 def main(argv: list[str] | None = None) -> None:
     """Train; the SIGTERM/SIGINT handlers the loop installs and the deterministic setting are put back afterwards
     (main may run in-process)."""
@@ -288,7 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     deterministic = torch.are_deterministic_algorithms_enabled()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        train(parse_args(argv), argv)
+        trainer = Trainer(parse_args(argv), argv)
+        trainer.loop()
+        trainer.finish()
     finally:
         release_locks()  # the output directory's and the run name's
         for sig, handler in handlers.items():
@@ -296,537 +291,578 @@ def main(argv: list[str] | None = None) -> None:
         torch.use_deterministic_algorithms(deterministic)
 
 
-def train(args: argparse.Namespace, argv: list[str]) -> None:
-    started = time.perf_counter()
-    if args.deterministic:  # before the first cuBLAS call, which reads the workspace setting
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)  # an op with no such kernel raises, naming itself
-    if args.target_flops and args.target_tokens:
-        raise PPTError("give the budget as --target-tokens or as --target-flops, not both")
-    rt = init_runtime(args.device)
-    data_seed = args.seed if args.data_seed is None else args.data_seed
-    model_seed = args.seed if args.model_seed is None else args.model_seed
-    torch.manual_seed(model_seed)  # the weights' initialization; the data order has its own seed
+class Trainer:
+    """One run in four phases: resolve the settings (every check that needs no model), build what they need (model,
+    optimizer, data, output directory, a resumed state), plan the budget and write the record, then the loop and
+    the finish. --benchmark and --profile hook into the loop from outside it (Measurement)."""
 
-    # ---- model config, tokenizer and data ----------------------------------------------------------------------
-    if args.config is None and args.depth is None:
-        args.config = DEFAULT_CONFIG
-    config = get_config(args.config, args.depth)
-    data_dir = args.data_dir or default_data_dir()
-    tokenizer = load_data_tokenizer(data_dir)
-    if unfinished := check_prepared(data_dir):
-        warn0(unfinished)
-    if tokenizer.vocab_size != config.vocab_size:
-        print0(
-            f"note: vocab_size {config.vocab_size} -> {tokenizer.vocab_size} to match {tokenizer.name} in {data_dir}"
-        )
-        config = dataclasses.replace(config, vocab_size=tokenizer.vocab_size)
-    seq_len = args.seq_len or min(2048, config.max_seq_len)
-    if seq_len > config.max_seq_len:
-        raise PPTError(f"--seq-len {seq_len} exceeds the config's max_seq_len {config.max_seq_len}; lower --seq-len")
-    if TRAIN_LENGTH_FIELD in {f.name for f in dataclasses.fields(config)}:  # recorded in every checkpoint (SPEC.md)
-        config = dataclasses.replace(config, **{TRAIN_LENGTH_FIELD: seq_len})
-    total_batch = args.total_batch_tokens or 524_288
-    device_batch = args.device_batch_size or max(1, min(32, total_batch // (seq_len * rt.world_size)))
-    tokens_per_micro = device_batch * seq_len * rt.world_size
-    if total_batch % tokens_per_micro:
-        raise PPTError(
-            f"--total-batch-tokens {total_batch} is not divisible by device batch x seq-len x world "
-            f"({device_batch} x {seq_len} x {rt.world_size} = {tokens_per_micro}); choose sizes that divide"
-        )
-    grad_accum = total_batch // tokens_per_micro
-    use_compile = compile_enabled(args.compile, rt.device)
-    if not args.benchmark and args.eval_tokens < seq_len * rt.world_size:  # found before training, not after it
-        raise PPTError(
-            f"--eval-tokens {args.eval_tokens} is less than one row of --seq-len {seq_len} per rank ({rt.world_size} "
-            f"ranks): raise --eval-tokens to at least {seq_len * rt.world_size}"
-        )
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        self.started = time.perf_counter()
+        self.args, self.argv = args, argv
+        if args.deterministic:  # before the first cuBLAS call, which reads the workspace setting
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)  # an op with no such kernel raises, naming itself
+        self.rt = init_runtime(args.device)
+        self.resolve()
+        self.build()
+        self.plan()
+        self.measure = Measurement(args, self.rt)
+        self.stop_signal: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.stop_signal.append(signum))
 
-    # ---- model, built on meta then materialized, so a 360M model never allocates twice ------------------------
-    with torch.device("meta"):
-        model = build_model(config)
-    model.to_empty(device=rt.device)
-    model.init_weights()
-    n_params = sum(p.numel() for p in model.parameters())
-    lr = args.lr or DEFAULT_LR[args.optimizer]
-
-    optimizer = build_optimizer(model, args.optimizer, lr=lr, weight_decay=args.weight_decay, compile=use_compile)
-    train_loader = DataLoader(
-        data_dir,
-        "train",
-        device_batch,
-        seq_len,
-        rt.rank,
-        rt.world_size,
-        data_seed,
-        rt.device,
-        expected_fingerprint=tokenizer.fingerprint,
-        prefetch=args.loader_prefetch,
-        vocab_size=config.vocab_size,
-    )
-    token_bytes = tokenizer.token_bytes().to(rt.device)
-
-    # ---- output dir and resume ---------------------------------------------------------------------------------
-    tag = args.tag or args.config or f"d{args.depth}"
-    out_dir = args.out_dir or cache_dir() / "checkpoints" / tag
-    if rt.is_master:
-        made_out_dir = not out_dir.exists()
-        ckpt.ensure_writable(out_dir, needed_bytes=n_params * 4 * 3)
-        if not args.benchmark:  # one run per checkpoint directory and per run name (it names the manifest)
-            lock_directory(out_dir, "give this run another --tag or --out-dir", made_by_this_run=made_out_dir)
-            hold_lock(cache_dir() / "reports" / f".{tag}.lock", f"the run name {tag!r}", "give this run another --tag")
-    config_dict = {"class": type(config).__name__, **dataclasses.asdict(config)}
-    start_step, tokens_seen, history, skipped = 0, 0, [], 0
-    state: dict[str, Any] = {}
-    resume_path = None
-    if args.resume == "auto":
-        resume_path = ckpt.latest_checkpoint(out_dir) if rt.is_master else None
-    elif args.resume:
-        resume_path = Path(args.resume)
-    if rt.distributed:  # rank 0 picks, so every rank resumes from the same checkpoint (it must be readable by all)
-        chosen = [resume_path]
-        torch.distributed.broadcast_object_list(chosen, src=0)
-        resume_path = chosen[0]
-    earlier = ckpt.list_checkpoints(out_dir) if rt.is_master and not args.benchmark and resume_path is None else []
-    if earlier:  # a fresh run here would prune the new checkpoints and evaluate the earlier run's
-        raise PPTError(
-            f"{out_dir} holds checkpoints of an earlier run (up to step {earlier[-1][0]}); continue it with --resume "
-            "auto, or give this run another --tag or --out-dir"
-        )
-    if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, map_location=rt.device)
-        saved_config = state["config"]
-        if TRAIN_LENGTH_FIELD in config_dict:  # a checkpoint from before the field trained at its loader's seq_len
-            saved_config = {TRAIN_LENGTH_FIELD: state["loader"]["seq_len"], **saved_config}
-        if diff := ckpt.config_mismatch(saved_config, config_dict):
-            raise PPTError(f"checkpoint {resume_path} is from another config: " + "; ".join(diff))
-        if (saved_batch := saved_batch_tokens(state)) not in (None, total_batch):
-            raise PPTError(
-                f"checkpoint {resume_path} trained at --total-batch-tokens {saved_batch}, not {total_batch}: its "
-                f"schedule and data order would not continue; resume with --total-batch-tokens {saved_batch}"
+    # ---- phase 1: the settings that need no model ---------------------------------------------------------------
+    def resolve(self) -> None:
+        args, rt = self.args, self.rt
+        if args.target_flops and args.target_tokens:
+            raise PPTError("give the budget as --target-tokens or as --target-flops, not both")
+        if args.config is None and args.depth is None:
+            args.config = DEFAULT_CONFIG
+        self.config_name = args.config or f"d{args.depth}"
+        config = get_config(args.config, args.depth)
+        self.data_dir = args.data_dir or default_data_dir()
+        self.tokenizer = load_data_tokenizer(self.data_dir)
+        if unfinished := check_prepared(self.data_dir):
+            warn0(unfinished)
+        if self.tokenizer.vocab_size != config.vocab_size:
+            print0(
+                f"note: vocab_size {config.vocab_size} -> {self.tokenizer.vocab_size} to match {self.tokenizer.name}"
             )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        train_loader.load_state_dict(state["loader"])
+            config = dataclasses.replace(config, vocab_size=self.tokenizer.vocab_size)
+        self.seq_len = args.seq_len or min(2048, config.max_seq_len)
+        if self.seq_len > config.max_seq_len:
+            raise PPTError(f"--seq-len {self.seq_len} exceeds the config's max_seq_len {config.max_seq_len}; lower it")
+        if TRAIN_LENGTH_FIELD in {f.name for f in dataclasses.fields(config)}:  # recorded in every checkpoint
+            config = dataclasses.replace(config, **{TRAIN_LENGTH_FIELD: self.seq_len})
+        self.config = config
+        self.config_dict = {"class": type(config).__name__, **dataclasses.asdict(config)}
+        self.total_batch = args.total_batch_tokens or 524_288
+        self.device_batch = args.device_batch_size or max(
+            1, min(32, self.total_batch // (self.seq_len * rt.world_size))
+        )
+        tokens_per_micro = self.device_batch * self.seq_len * rt.world_size
+        if self.total_batch % tokens_per_micro:
+            raise PPTError(
+                f"--total-batch-tokens {self.total_batch} is not divisible by device batch x seq-len x world "
+                f"({self.device_batch} x {self.seq_len} x {rt.world_size} = {tokens_per_micro}); choose sizes that "
+                "divide"
+            )
+        self.grad_accum = self.total_batch // tokens_per_micro
+        if not args.benchmark and args.eval_tokens < self.seq_len * rt.world_size:  # found before training, not after
+            raise PPTError(
+                f"--eval-tokens {args.eval_tokens} is less than one row of --seq-len {self.seq_len} per rank "
+                f"({rt.world_size} ranks): raise --eval-tokens to at least {self.seq_len * rt.world_size}"
+            )
+        self.tag = args.tag or self.config_name
+        self.out_dir = args.out_dir or cache_dir() / "checkpoints" / self.tag
+        self.data_seed = args.seed if args.data_seed is None else args.data_seed
+        self.model_seed = args.seed if args.model_seed is None else args.model_seed
+        self.use_compile = compile_enabled(args.compile, rt.device)
+        self.lr = args.lr or DEFAULT_LR[args.optimizer]
+
+    # ---- phase 2: model, optimizer, data, output directory, and the state a resume brings ------------------------
+    def build(self) -> None:
+        args, rt = self.args, self.rt
+        torch.manual_seed(self.model_seed)  # the weights' initialization; the data order has its own seed
+        with torch.device("meta"):  # built on meta, then materialized: a 360M model never allocates twice
+            self.model = build_model(self.config)
+        self.model.to_empty(device=rt.device)
+        self.model.init_weights()
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.optimizer = build_optimizer(
+            self.model, args.optimizer, lr=self.lr, weight_decay=args.weight_decay, compile=self.use_compile
+        )
+        self.train_loader = DataLoader(
+            self.data_dir, "train", self.device_batch, self.seq_len, rt.rank, rt.world_size, self.data_seed,
+            rt.device, expected_fingerprint=self.tokenizer.fingerprint, prefetch=args.loader_prefetch,
+            vocab_size=self.config.vocab_size,
+        )  # fmt: skip
+        self.token_bytes = self.tokenizer.token_bytes().to(rt.device)
+        if rt.is_master:
+            made_out_dir = not self.out_dir.exists()
+            ckpt.ensure_writable(self.out_dir, needed_bytes=self.n_params * 4 * 3)
+            if not args.benchmark:  # one run per checkpoint directory and per run name (it names the record)
+                lock_directory(self.out_dir, "give this run another --tag or --out-dir", made_by_this_run=made_out_dir)
+                hold_lock(self.reports_path.with_name(f".{self.tag}.lock"), f"the run name {self.tag!r}",
+                          "give this run another --tag")  # fmt: skip
+        self.state = self.resumed_state()
+        self.step = self.state.get("step", 0)
+        self.start_step = self.step
+        self.tokens_seen = self.state.get("tokens", 0)
+        self.skipped = self.state.get("skipped_nonfinite_steps", 0)  # the --skip-nonfinite budget spans restarts
+
+    @property
+    def reports_path(self) -> Path:
+        return cache_dir() / "reports" / f"{self.tag}.json"
+
+    def resumed_state(self) -> dict[str, Any]:
+        """The checkpoint --resume names, loaded into the model, optimizer, loader and RNGs ({} for a fresh run)."""
+        args, rt = self.args, self.rt
+        path = None
+        if args.resume == "auto":
+            path = ckpt.latest_checkpoint(self.out_dir) if rt.is_master else None
+        elif args.resume:
+            path = Path(args.resume)
+        if rt.distributed:  # rank 0 picks, so every rank resumes from the same checkpoint (readable by all)
+            chosen = [path]
+            torch.distributed.broadcast_object_list(chosen, src=0)
+            path = chosen[0]
+        if path is None:
+            earlier = ckpt.list_checkpoints(self.out_dir) if rt.is_master and not args.benchmark else []
+            if earlier:  # a fresh run here would prune the new checkpoints and evaluate the earlier run's
+                raise PPTError(
+                    f"{self.out_dir} holds checkpoints of an earlier run (up to step {earlier[-1][0]}); continue it "
+                    "with --resume auto, or give this run another --tag or --out-dir"
+                )
+            if rt.is_master and not args.benchmark:
+                self.check_run_name_free()
+            return {}
+        state = ckpt.load_checkpoint(path, map_location=rt.device)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise PPTError(
+                f"checkpoint {path} is of format {state.get('format', 1)}, not {CHECKPOINT_FORMAT}: resume it with the "
+                "ppt commit its run record names (git.commit), or start a new run"
+            )
+        if diff := ckpt.config_mismatch(state["config"], self.config_dict):
+            raise PPTError(f"checkpoint {path} is from another config: " + "; ".join(diff))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.train_loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
-        start_step, tokens_seen, history = state["step"], state["tokens"], state.get("history", [])
-        skipped = state.get("skipped_nonfinite_steps", 0)  # the --skip-nonfinite budget spans restarts
-        print0(f"resumed from {resume_path} at step {start_step}")
-    wall_offset = state.get("wall_time_s", 0.0)  # the seconds earlier processes of this run spent up to the checkpoint
+        self.resume_path = path
+        print0(f"resumed from {path} at step {state['step']}")
+        return state
 
-    def wall_time() -> float:
-        return wall_offset + time.perf_counter() - started
+    def check_run_name_free(self) -> None:
+        """A fresh run may not take the name of a finished or stopped run elsewhere: its record would be replaced."""
+        if not self.reports_path.is_file():
+            return
+        try:
+            other = RunRecord.load(self.reports_path).out_dir
+        except PPTError:
+            other = None
+        if other is not None and Path(other).resolve() != self.out_dir.resolve():
+            raise PPTError(
+                f"the run name {self.tag!r} is taken by the run in {other} ({self.reports_path}); give this run "
+                "another --tag, or delete that record to reuse the name"
+            )
 
-    # ---- FLOPs, read from the (resumed) model: learned windows are the trained ones -----------------------------
-    try:
-        flops, untraced = mfu_flops_per_token(model, seq_len), None  # the MFU convention: a throughput figure
-    except PPTError as exc:  # a forward that does not run on meta trains all the same, without MFU
-        flops, untraced = None, str(exc)
-    peak = peak_flops(rt.device, rt.dtype)
-    comparison = state.get("comparison")  # the comparison rule: what runs are compared by
-    if comparison:
-        rule, rule_step = ComparisonFlops.from_state_dict(comparison["rule"]), comparison["rule_step"]
-        comparison_flops = comparison["flops"]
-    else:
-        rule, rule_step, comparison_flops = comparison_flops_rule(model, seq_len), start_step, 0
-        if start_step:
-            warn0(f"{resume_path} predates comparison FLOPs: they are counted from step {start_step} on")
-    warnings = [rule_warning] if (rule_warning := rule.warning()) else []
-    if untraced:  # one line when the rule's warning already says why the trace failed
-        warnings = [f"{warnings[0]}; no MFU either"] if rule.untraced else [f"no MFU: {untraced}", *warnings]
-    for warning in warnings:
-        warn0(warning)
+    # ---- phase 3: FLOPs, the budget and the schedule, compilation, the record ----------------------------------
+    def plan(self) -> None:
+        args, rt, state = self.args, self.rt, self.state
+        try:  # the MFU convention: a throughput figure, read from the (resumed) model
+            self.mfu_flops, untraced = mfu_flops_per_token(self.model, self.seq_len), None
+        except PPTError as exc:  # a forward that does not run on meta trains all the same, without MFU
+            self.mfu_flops, untraced = None, str(exc)
+        self.peak = peak_flops(rt.device, rt.dtype)
+        if "comparison" in state:  # the comparison rule: what runs are compared by
+            self.rule = ComparisonFlops.from_state_dict(state["comparison"]["rule"])
+            self.rule_step, self.comparison_flops = state["comparison"]["rule_step"], state["comparison"]["flops"]
+        else:
+            self.rule, self.rule_step, self.comparison_flops = comparison_flops_rule(self.model, self.seq_len), 0, 0
+        warnings = [rule_warning] if (rule_warning := self.rule.warning()) else []
+        if untraced:  # one line when the rule's warning already says why the trace failed
+            warnings = [f"{warnings[0]}; no MFU either"] if self.rule.untraced else [f"no MFU: {untraced}", *warnings]
+        for warning in warnings:
+            warn0(warning)
 
-    # ---- the budget and the schedule --------------------------------------------------------------------------
-    budget = state.get("budget")
-    if args.target_flops and (budget or {}).get("target_flops") != args.target_flops:
-        # the rule at the start and the first step's documents: every rank reads the same rows, so agrees
-        counts = first_step_doc_pos_counts(args, data_dir, device_batch, seq_len, grad_accum * rt.world_size, data_seed)
-        per_token = rule.per_token(counts)
-        budget = {
-            "target_flops": args.target_flops,
-            "comparison_flops_per_token_estimate": per_token,
-            "estimated_from": f"the first step's document positions and the model at step {start_step}",
-            "target_tokens": int(args.target_flops / per_token),
-        }
-    target_tokens = int(budget["target_tokens"] if args.target_flops else args.target_tokens or 20 * n_params)
-    if target_tokens > MAX_TOKENS:
-        raise PPTError(
-            f"--target-flops {args.target_flops:g} is {target_tokens:.3g} tokens for this model, more than the "
-            f"{MAX_TOKENS:.0e} any run can count; lower --target-flops"
-        )
-    if target_tokens < total_batch:
-        given = (
-            f"--target-flops {args.target_flops:g} ({target_tokens} tokens)"
-            if args.target_flops
-            else (f"--target-tokens {target_tokens}")
-        )
-        raise PPTError(
-            f"{given} is less than one step of {total_batch} tokens (--total-batch-tokens); raise the budget or "
-            "lower --total-batch-tokens"
-        )
-    total_steps = target_tokens // total_batch
-    last_step = min(total_steps, args.max_steps or total_steps)  # --max-steps stops early; the schedule is unchanged
-    warmup_tokens = 0.01 * target_tokens if args.warmup_tokens is None else args.warmup_tokens
-    if warmup_tokens > target_tokens:
-        raise PPTError(
-            f"--warmup-tokens {warmup_tokens:g} is more than the run's {target_tokens} tokens: the learning rate would "
-            "never reach its peak; lower --warmup-tokens"
-        )
-    warmup_steps = round(warmup_tokens / total_batch)
+        self.settings = self.train_settings()
+        if state and (diff := self.settings.resume_mismatch(TrainSettings(**state["settings"]))):
+            raise PPTError(
+                f"{self.resume_path} trained with other settings ({'; '.join(diff)}): its schedule and data order "
+                "would not continue. Resume with the settings it recorded, or start a new run"
+            )
+        s = self.settings
+        compiled = torch.compile(self.model, mode=args.compile_mode) if self.use_compile else self.model
+        self.eval_model = self.train_model = compiled
+        if rt.distributed:
+            self.train_model = wrap_ddp(compiled, rt, find_unused_parameters=s.ddp_find_unused_parameters)
+        self.keep_grads = self.use_compile and args.compile_mode in CUDA_GRAPH_MODES
+        if self.keep_grads:  # under CUDA graphs every .grad is allocated once and zeroed, not freed (allocate_grads)
+            allocate_grads(self.model)
 
-    # ---- compile and DDP --------------------------------------------------------------------------------------
-    if args.benchmark:
-        args.eval_every = args.save_every = 0
-    compiled_model = torch.compile(model, mode=args.compile_mode) if use_compile else model
-    train_model = compiled_model
-    find_unused = False
-    if rt.distributed:
-        probe = DataLoader(data_dir, "train", 1, seq_len, rt.rank, rt.world_size, data_seed, rt.device, prefetch=0)
+        self.record = RunRecord(
+            run=self.tag, out_dir=str(self.out_dir), argv=self.argv, args=self.relaunch_args(),
+            config_name=self.config_name, config=self.config_dict,
+            tokenizer={"name": self.tokenizer.name, "fingerprint": self.tokenizer.fingerprint,
+                       "demo": self.tokenizer.is_demo},
+            data={"dir": str(self.data_dir), "fingerprint": self.train_loader.fingerprint()},
+            train=s, params=self.n_params, flops_per_token=self.mfu_flops,
+            comparison_flops_rule={"per_token_one_document_per_row": self.rule.per_token(),
+                                   "traced_at_step": self.rule_step, **self.rule.state_dict(),
+                                   **({"warning": rule_warning} if rule_warning else {})},
+            history=state.get("history", []), skipped_nonfinite_steps=self.skipped,
+        )  # fmt: skip
+        self.record.evals = [Evaluation(**h) for h in self.record.history if "val_bpb" in h]
+        self.wandb_run = None
+        if args.run and rt.is_master:
+            import wandb
+
+            self.wandb_run = wandb.init(project="ppt", name=args.run, id=state.get("wandb_id"), resume="allow",
+                                        config=self.record.to_dict())  # fmt: skip
+            self.record.wandb = {"project": "ppt", "name": args.run, "id": self.wandb_run.id}
+
+        mfu_text = f"{self.mfu_flops['mfu'] / 1e9:.4g}G" if self.mfu_flops else "not traced"
+        print0(
+            f"{self.tag}: {self.n_params / 1e6:.1f}M params, {s.steps} steps x {s.total_batch_tokens} tokens "
+            f"(device batch {s.device_batch_size} x {s.seq_len}, accum {s.grad_accum}, world {s.world_size}), "
+            f"{rt.device} {str(rt.dtype).removeprefix('torch.')}, compile {'on' if s.compile else 'off'}, "
+            f"FLOPs/token {mfu_text} (MFU convention), "
+            f"{self.rule.per_token() / 1e9:.4g}G (comparison rule, one document per row)"
+        )
+        epochs = s.steps * s.total_batch_tokens / self.train_loader.tokens_per_epoch
+        if epochs > 1:
+            warn0(
+                f"the budget is {epochs:.1f} epochs of {self.data_dir}: data repeats (prepare more shards to avoid it)"
+            )
+
+    def train_settings(self) -> TrainSettings:
+        """The resolved settings: the budget in tokens (from --target-flops: converted once, at the start, by the
+        rule and the first step's documents), the schedule in steps, and DDP's need to look for unused parameters."""
+        args, rt = self.args, self.rt
+        budget = self.state.get("settings", {}).get("budget")
+        if args.target_flops and (budget or {}).get("target_flops") != args.target_flops:
+            counts = first_step_doc_pos_counts(
+                args, self.data_dir, self.device_batch, self.seq_len, self.grad_accum * rt.world_size, self.data_seed
+            )  # every rank reads the same rows, so agrees
+            per_token = self.rule.per_token(counts)
+            budget = {
+                "target_flops": args.target_flops,
+                "comparison_flops_per_token_estimate": per_token,
+                "estimated_from": f"the first step's document positions and the model at step {self.step}",
+                "target_tokens": int(args.target_flops / per_token),
+            }
+        target = int(budget["target_tokens"] if args.target_flops else args.target_tokens or 20 * self.n_params)
+        if target > MAX_TOKENS:
+            raise PPTError(
+                f"--target-flops {args.target_flops:g} is {target:.3g} tokens for this model, more than the "
+                f"{MAX_TOKENS:.0e} any run can count; lower --target-flops"
+            )
+        if target < self.total_batch:
+            given = (
+                f"--target-flops {args.target_flops:g} ({target} tokens)" if args.target_flops else "--target-tokens"
+            )
+            raise PPTError(
+                f"{given} {target} is less than one step of {self.total_batch} tokens (--total-batch-tokens); raise "
+                "the budget or lower --total-batch-tokens"
+            )
+        steps = target // self.total_batch
+        warmup_tokens = 0.01 * target if args.warmup_tokens is None else args.warmup_tokens
+        if warmup_tokens > target:
+            raise PPTError(
+                f"--warmup-tokens {warmup_tokens:g} is more than the run's {target} tokens: the learning rate would "
+                "never reach its peak; lower --warmup-tokens"
+            )
+        if args.benchmark:
+            args.eval_every = args.save_every = 0
+        return TrainSettings(
+            seq_len=self.seq_len, total_batch_tokens=self.total_batch, device_batch_size=self.device_batch,
+            grad_accum=self.grad_accum, world_size=rt.world_size, optimizer=args.optimizer, lr=self.lr,
+            optimizer_groups=optimizer_settings(self.optimizer), weight_decay=args.weight_decay,
+            grad_clip=args.grad_clip, schedule=args.schedule, warmup_tokens=warmup_tokens,
+            warmup_steps=round(warmup_tokens / self.total_batch), decay_frac=args.decay_frac, steps=steps,
+            last_step=min(steps, args.max_steps or steps),  # --max-steps stops early; the schedule is unchanged
+            target_tokens=target, budget=budget, doc_masks=not args.no_doc_masks, deterministic=args.deterministic,
+            seed=args.seed, data_seed=self.data_seed, model_seed=self.model_seed, dtype=str(rt.dtype),
+            compile=self.use_compile, compile_mode=args.compile_mode if self.use_compile else None,
+            loader_prefetch=args.loader_prefetch, skip_nonfinite=args.skip_nonfinite, eval_every=args.eval_every,
+            eval_tokens=int(args.eval_tokens), recipe=args.recipe,
+            ddp_find_unused_parameters=rt.distributed and self.unused_parameters(),
+        )  # fmt: skip
+
+    def unused_parameters(self) -> bool:
+        """Under DDP: whether one forward and backward leaves trainable parameters without a gradient on any rank (a
+        router's unchosen expert): DDP must then look for them after every forward (slower)."""
+        rt = self.rt
+        probe = DataLoader(self.data_dir, "train", 1, self.seq_len, rt.rank, rt.world_size, self.data_seed,
+                           rt.device, prefetch=0)  # fmt: skip
         inputs, targets, doc_pos = next(probe)
-        unused = parameters_without_gradient(model, inputs, targets, None if args.no_doc_masks else doc_pos, rt)
-        if unused:  # DDP would wait for their gradients forever, then fail at the next step
-            find_unused = True
+        unused = parameters_without_gradient(
+            self.model, inputs, targets, None if self.args.no_doc_masks else doc_pos, rt
+        )
+        if unused:
             print0(
                 f"note: {len(unused)} parameters got no gradient in a first forward and backward ({few(unused)}); "
                 "DDP runs with find_unused_parameters=True, which searches the autograd graph for them after every "
                 "forward (slower)"
             )
-        train_model = wrap_ddp(train_model, rt, find_unused_parameters=find_unused)
+        return bool(unused)
 
-    # under CUDA graphs every .grad is allocated once and zeroed, not freed, after each step (allocate_grads: why)
-    keep_grads = use_compile and args.compile_mode in CUDA_GRAPH_MODES
-    if keep_grads:
-        allocate_grads(model)
+    def relaunch_args(self) -> dict[str, Any]:
+        """Every flag, with what the run derived, so a relaunch trains the same even where defaults change later."""
+        s = self.settings
+        flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items() if k not in NOT_RELAUNCHED}
+        derived = {"config": self.args.config, "tag": self.tag, "data_dir": str(self.data_dir), "lr": s.lr}
+        derived |= {"seq_len": s.seq_len, "total_batch_tokens": s.total_batch_tokens, "warmup_tokens": s.warmup_tokens}
+        return flags | derived | ({} if self.args.target_flops else {"target_tokens": s.target_tokens})
 
-    # a benchmark writes no manifest: it must not overwrite the report of a real run with the same tag
-    report = RunReport(tag, [cache_dir() / "reports", out_dir], enabled=rt.is_master and not args.benchmark)
-    report.history = history
-    relaunch = {
-        **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in NOT_RELAUNCHED},
-        # what the run derived is recorded, so a relaunch trains the same even where defaults change later
-        **{"config": args.config, "tag": tag, "data_dir": str(data_dir), "seq_len": seq_len, "lr": lr},
-        **{"total_batch_tokens": total_batch, "warmup_tokens": warmup_tokens},
-        **({} if args.target_flops else {"target_tokens": target_tokens}),
-    }
-    report.update(
-        argv=argv,
-        command=shlex.join(["python", "-m", "scripts.base_train", *argv]),
-        relaunch=f"python -m scripts.base_train --from-manifest {report.paths[0]}",
-        args=relaunch,
-        config_name=args.config or f"d{args.depth}",
-        config=config_dict,
-        tokenizer={"name": tokenizer.name, "fingerprint": tokenizer.fingerprint, "demo": tokenizer.is_demo},
-        data={"dir": str(data_dir), "fingerprint": train_loader.fingerprint()},
-        train={
-            "seq_len": seq_len,
-            "total_batch_tokens": total_batch,
-            "device_batch_size": device_batch,
-            "grad_accum": grad_accum,
-            "world_size": rt.world_size,
-            "ddp_find_unused_parameters": find_unused,
-            "optimizer": args.optimizer,
-            "lr": lr,
-            "optimizer_groups": optimizer_settings(optimizer),
-            "weight_decay": args.weight_decay,
-            "grad_clip": args.grad_clip,
-            "schedule": args.schedule,
-            "warmup_tokens": warmup_tokens,
-            "warmup_steps": warmup_steps,
-            "decay_frac": args.decay_frac,
-            "steps": total_steps,
-            "last_step": last_step,
-            "target_tokens": target_tokens,
-            "budget": budget,
-            "doc_masks": not args.no_doc_masks,
-            "deterministic": args.deterministic,
-            "seed": args.seed,
-            "data_seed": data_seed,
-            "model_seed": model_seed,
-            "dtype": str(rt.dtype),
-            "compile": use_compile,
-            "compile_mode": args.compile_mode if use_compile else None,
-            "loader_prefetch": args.loader_prefetch,
-            "skip_nonfinite": args.skip_nonfinite,
-            "eval_every": args.eval_every,
-            "eval_tokens": int(args.eval_tokens),  # base_eval scores as many by default
-            "recipe": args.recipe,
-        },
-        params=n_params,
-        flops_per_token=flops,
-        comparison_flops_rule={
-            "rule": "3 x the forward FLOPs the model's math needs: 6N per token + 3 x each token mixer's forward FLOPs "
-            "over the (query, key) pairs it needs (SPEC.md, Measurement)",
-            "per_token_one_document_per_row": rule.per_token(),
-            "traced_at_step": rule_step,
-            **rule.state_dict(),
-            **({"warning": rule_warning} if rule_warning else {}),  # what the rule cannot count as it says
-        },
-        wall_time_includes="seconds since this process started training (set-up, compilation, steps, evaluations, "
-        "checkpoint writes), plus those of the processes before it up to the checkpoint it resumed from",
-    )
-    wandb_run, wandb_id = None, state.get("wandb_id")
-    if args.run and rt.is_master:
-        import wandb
+    def wall_time(self) -> float:
+        """Seconds this run has trained: this process's, plus those of earlier ones up to the resumed checkpoint."""
+        return self.state.get("wall_time_s", 0.0) + time.perf_counter() - self.started
 
-        wandb_run = wandb.init(project="ppt", name=args.run, id=wandb_id, resume="allow", config=report.data)
-        wandb_id = wandb_run.id
-        report.update(wandb={"project": "ppt", "name": args.run, "id": wandb_id})
+    # ---- phase 4: the loop --------------------------------------------------------------------------------------
+    def loop(self) -> None:
+        """One host sync per step, after backward, and none at its end: the host queues the next step while the GPU
+        runs this one's optimizer. The step time is the time between consecutive syncs."""
+        args, s = self.args, self.settings
+        self.train_iter = iter(self.train_loader)
+        self.last_saved, self.stopping = self.step, 0
+        self.last_sync = time.perf_counter()
+        while self.step < s.last_step:
+            self.measure.before_step(self.step)
+            if self.stop_signal and not self.rt.distributed:  # a lone process stops before it starts another step
+                self.stopping = self.stop_signal[0]
+                break
+            if self.step % RULE_RETRACE_STEPS == 0 and self.step != self.rule_step:  # learned windows move
+                self.rule, self.rule_step = comparison_flops_rule(self.model, self.seq_len), self.step
+                self.last_sync = time.perf_counter()  # the trace's time is not the step's
+            set_lr(self.optimizer, lr_multiplier(self.step, s.steps, s.warmup_steps, s.schedule, s.decay_frac))
+            loss, norm, finite, counts, data_time = self.forward_backward()
+            now = time.perf_counter()
+            dt, self.last_sync = now - self.last_sync, now
+            if self.step == self.start_step:
+                # What torch.compile built in this first step lives all run. Freezing takes it out of the garbage
+                # collector's full scans, which otherwise pause the host whenever they run (260 ms with a compiled
+                # 32-layer model alive, on a 2-core CPU): under DDP one rank's pause holds up every rank.
+                freeze_gc()
+                self.first_sync = now
+            if not finite:  # no update, evaluation or save for this step
+                self.skip_step(loss)
+                if self.stopping:
+                    break
+                continue
+            self.measure.optimizer_step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+            self.step += 1
+            self.tokens_seen += s.total_batch_tokens
+            self.comparison_flops += self.rule.step_flops(counts)
+            self.log_step(loss, norm, dt, data_time, now)
+            if self.stopping:
+                break
+            if args.eval_every and self.step % args.eval_every == 0 and self.step < s.last_step:
+                self.evaluate()
+                self.last_sync = time.perf_counter()  # evaluation time is not the next step's
+            if args.save_every and self.step % args.save_every == 0 and self.step < s.last_step:
+                self.save()
+                self.last_sync = time.perf_counter()
+            if self.step % 50 == 0:
+                self.write_record()
 
-    mfu_flops = f"{flops['mfu'] / 1e9:.4g}G" if flops else "not traced"
-    print0(
-        f"{tag}: {n_params / 1e6:.1f}M params, {total_steps} steps x {total_batch} tokens "
-        f"(device batch {device_batch} x {seq_len}, accum {grad_accum}, world {rt.world_size}), "
-        f"{rt.device} {str(rt.dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}, "
-        f"FLOPs/token {mfu_flops} (MFU convention), "
-        f"{rule.per_token() / 1e9:.4g}G (comparison rule, one document per row)"
-    )
-    epochs = total_steps * total_batch / train_loader.tokens_per_epoch
-    if epochs > 1:
-        warn0(f"the budget is {epochs:.1f} epochs of {data_dir}: data repeats (prepare more shards to avoid it)")
+    def forward_backward(self) -> tuple[float, float, bool, np.ndarray, float]:
+        """The step's micro-batches and its one host sync: (loss, gradient norm, both finite, the document-position
+        counts of every rank's tokens, seconds spent waiting for data)."""
+        loss_sum = torch.zeros((), device=self.rt.device)
+        data_time = 0.0
+        for micro in range(self.grad_accum):
+            t_data = time.perf_counter()
+            inputs, targets, doc_pos = next(self.train_iter)
+            doc_pos = None if self.args.no_doc_masks else doc_pos
+            data_time += time.perf_counter() - t_data
+            sync = micro == self.grad_accum - 1 or not self.rt.distributed
+            with nullcontext() if sync else self.train_model.no_sync(), autocast(self.rt.device, self.rt.dtype):
+                try:
+                    loss = self.train_model(inputs, targets, doc_pos)
+                except RuntimeError as exc:
+                    if error := unused_parameter_error(exc, self.step):
+                        raise error from exc
+                    raise
+            (loss / self.grad_accum).backward()
+            loss_sum += loss.detach()
+        counts = self.train_loader.take_doc_pos_counts()
+        if self.args.no_doc_masks:  # whole rows are the documents: each position once per row
+            counts = np.full(self.seq_len, counts.sum() // self.seq_len, dtype=np.int64)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip or float("inf"))
+        return *self.sync(loss_sum / self.grad_accum, norm, counts), data_time
 
-    stop_signal: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
-
-    def sync_step(
-        train_loss: torch.Tensor, grad_norm: torch.Tensor, counts: np.ndarray
-    ) -> tuple[float, float, bool, int, np.ndarray]:
-        """The step's one host sync: (loss averaged over ranks, gradient norm, finite loss and gradient, signal to
-        stop on or 0, the document-position counts of every rank's tokens). Ranks can receive a signal in different
-        steps; the flags ride on the loss all-reduce so that every rank stops after the same step (one that stopped
-        alone would leave the others waiting in their next all-reduce). The counts ride along for the comparison
-        FLOPs; fp32 holds them exactly (each is at most the step's tokens, far below 2^24).
-        """
-        stats = torch.stack([train_loss, grad_norm.float()])
-        flags = [float(sig in stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)]
-        if rt.distributed:
+    def sync(self, loss: torch.Tensor, norm: torch.Tensor, counts: np.ndarray) -> tuple[float, float, bool, np.ndarray]:
+        """(loss averaged over ranks, gradient norm, both finite, every rank's document-position counts). Ranks can
+        receive a signal in different steps; the flags ride on the loss all-reduce so that every rank stops after
+        the same step (one that stopped alone would leave the others waiting in their next all-reduce). The counts
+        ride along for the comparison FLOPs; fp32 holds them exactly (each is at most the step's tokens, < 2^24)."""
+        stats = torch.stack([loss, norm.float()])
+        flags = [float(sig in self.stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)]
+        if self.rt.distributed:
             host = torch.from_numpy(np.concatenate([flags, counts]).astype(np.float32))
-            stats = torch.cat([stats, host.to(rt.device)])
+            stats = torch.cat([stats, host.to(self.rt.device)])
             torch.distributed.all_reduce(stats)  # summed: the loss and norm are divided by the world size below
             values = stats.cpu().numpy().astype(np.float64)
             loss_sum, norm_sum, flags = float(values[0]), float(values[1]), values[2:4].tolist()
             counts = np.rint(values[4:]).astype(np.int64)
         else:
             loss_sum, norm_sum = stats.tolist()
-        loss, norm = loss_sum / rt.world_size, norm_sum / rt.world_size
-        stop = signal.SIGTERM if flags[0] else signal.SIGINT if flags[1] else 0
-        return loss, norm, math.isfinite(loss) and math.isfinite(norm), int(stop), counts
+        loss_value, norm_value = loss_sum / self.rt.world_size, norm_sum / self.rt.world_size
+        self.stopping = signal.SIGTERM if flags[0] else signal.SIGINT if flags[1] else 0
+        return loss_value, norm_value, math.isfinite(loss_value) and math.isfinite(norm_value), counts
 
-    def save(step: int) -> None:
-        if rt.is_master:
-            payload = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "config": config_dict,
-                "loader": train_loader.state_dict(),
-                "rng": ckpt.rng_state(),
-                "tokens": tokens_seen,
-                "total_batch_tokens": total_batch,
-                "history": report.history,
-                "skipped_nonfinite_steps": skipped,
-                "tokenizer_fingerprint": tokenizer.fingerprint,
-                "comparison": {"flops": comparison_flops, "rule": rule.state_dict(), "rule_step": rule_step},
-                "budget": budget,
-                "wall_time_s": wall_time(),
-                "wandb_id": wandb_id,
-            }
-            path = ckpt.save_checkpoint(out_dir, step, payload, keep=args.keep)
-            print0(f"saved {path}")
-
-    shortfall_shown = False  # a budget above the val split: said at the first evaluation only
-
-    def evaluate(step: int) -> dict[str, Any]:
-        nonlocal shortfall_shown
-        val_loader = DataLoader(
-            data_dir,
-            "val",
-            device_batch,
-            seq_len,
-            rt.rank,
-            rt.world_size,
-            0,
-            rt.device,
-            expected_fingerprint=tokenizer.fingerprint,
-            vocab_size=config.vocab_size,
+    def skip_step(self, loss: float) -> None:
+        """A non-finite loss or gradient: stop, or with --skip-nonfinite N skip up to N such steps."""
+        self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        if self.skipped > self.args.skip_nonfinite:
+            last = ckpt.latest_checkpoint(self.out_dir) or "none (no save yet)"
+            raise PPTError(
+                f"non-finite loss/gradient at step {self.step + 1} (loss {loss}); the last good checkpoint is {last}. "
+                "Lower --lr, or pass --skip-nonfinite N to skip such steps"
+            )
+        warn0(
+            f"step {self.step + 1}: non-finite loss/gradient, step skipped ({self.skipped}/{self.args.skip_nonfinite})"
         )
-        shortfall = val_loader.budget_shortfall(int(args.eval_tokens))
-        if shortfall and not shortfall_shown:
-            warn0(shortfall)  # each log entry records the tokens it scored
-            shortfall_shown = True
-        result = evaluate_bpb(compiled_model, val_loader.val_batches(int(args.eval_tokens)), token_bytes, rt.dtype)
-        freeze_gc()  # the first call compiled the evaluation graphs: out of the collector's scans too
+        self.step += 1
+
+    def log_step(self, loss: float, norm: float, dt: float, data_time: float, now: float) -> None:
+        s, rt, step = self.settings, self.rt, self.step
+        tok_per_s = s.total_batch_tokens / dt
+        mfu = self.mfu_flops["mfu"] * tok_per_s / (self.peak * rt.world_size) if self.peak and self.mfu_flops else None
+        memory_key, memory = memory_gb(rt.device)
+        lr = self.optimizer.param_groups[0]["lr"]
+        entry = {"step": step, "tokens": self.tokens_seen, "comparison_flops": self.comparison_flops,
+                 "wall_time_s": self.wall_time(), "loss": loss, "lr": lr, "grad_norm": norm, "tok_per_s": tok_per_s,
+                 "step_time": dt, "data_time": data_time, **({"mfu": mfu} if mfu is not None else {}),
+                 memory_key: memory}  # fmt: skip
+        self.record.history.append(entry)
+        if step % self.args.log_every and step != s.last_step:
+            return
+        mfu_text = f" | mfu {100 * mfu:5.1f}%" if mfu is not None else ""
+        done = step - self.start_step
+        per_step = (now - self.first_sync) / (done - 1) if done > 1 else dt
         print0(
-            f"step {step:6d} | val nll {result['nll']:.4f} | val bpb {result['bpb']:.4f} ({result['tokens']} tokens)"
+            f"step {step:6d}/{s.steps} ({100 * step / s.last_step:.1f}%) | loss {loss:.4f} | lr {lr:.2e} "
+            f"| grad {norm:.3f} | {tok_per_s:,.0f} tok/s | {1000 * dt:.0f} ms{mfu_text} | mem {memory:.2f} GB "
+            f"| {duration(self.wall_time())} elapsed, eta {duration(per_step * (s.last_step - step))}"
         )
-        entry = {
-            "step": step,
-            "tokens": tokens_seen,
-            "comparison_flops": comparison_flops,
-            "wall_time_s": wall_time(),
-            "val_nll": result["nll"],
-            "val_bpb": result["bpb"],
-            "eval_tokens": result["tokens"],
-        }
-        report.log_step(**entry)
-        if wandb_run:
-            wandb_run.log(for_wandb(entry), step=step)
-        return entry
+        if self.wandb_run:
+            self.wandb_run.log(for_wandb(entry), step=step)
 
-    # ---- the loop ---------------------------------------------------------------------------------------------
-    # One host sync per step, after backward, and none at its end: the host queues the next step while the GPU
-    # runs this one's optimizer. The step time is the time between consecutive syncs.
-    step = start_step
-    train_iter = iter(train_loader)
-    last_saved = start_step
-    stopping = 0
-    optimizer_times: list[Callable[[], float]] = []  # benchmark mode: read at the end, so timing never waits
-    profiler = StepProfiler(rt.device, first=5, steps=3) if args.profile and rt.is_master else None
-    profiled_steps: set[int] = set()  # slowed by the profiler: left out of a benchmark's figures
-    last_sync = time.perf_counter()
-    first_sync = None  # after this process's first step (compilation): the ETA's clock starts there
-    while step < last_step:
-        if profiler and profiler.step():
-            profiled_steps.add(step + 1)
-        if stop_signal and not rt.distributed:  # a lone process stops before it starts another step
-            stopping = stop_signal[0]
-            break
-        if step % RULE_RETRACE_STEPS == 0 and step != rule_step:
-            rule, rule_step = comparison_flops_rule(model, seq_len), step
-            last_sync = time.perf_counter()  # the trace's time is not the step's
-        set_lr(optimizer, lr_multiplier(step, total_steps, warmup_steps, args.schedule, args.decay_frac))
-        loss_sum = torch.zeros((), device=rt.device)
-        data_time = 0.0
-        for micro in range(grad_accum):
-            t_data = time.perf_counter()
-            inputs, targets, doc_pos = next(train_iter)
-            doc_pos = None if args.no_doc_masks else doc_pos
-            data_time += time.perf_counter() - t_data
-            sync = micro == grad_accum - 1 or not rt.distributed
-            with nullcontext() if sync else train_model.no_sync(), autocast(rt.device, rt.dtype):
-                try:
-                    loss = train_model(inputs, targets, doc_pos)
-                except RuntimeError as exc:
-                    if error := unused_parameter_error(exc, step):
-                        raise error from exc
-                    raise
-            (loss / grad_accum).backward()
-            loss_sum += loss.detach()
-        counts = train_loader.take_doc_pos_counts()
-        if args.no_doc_masks:  # whole rows are the documents: each position once per row
-            counts = np.full(seq_len, counts.sum() // seq_len, dtype=np.int64)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        loss_value, norm_value, finite, stopping, counts = sync_step(loss_sum / grad_accum, grad_norm, counts)
-        now = time.perf_counter()
-        dt, last_sync = now - last_sync, now
-        if step == start_step:
-            # What torch.compile built in this first step lives all run. Freezing takes it out of the garbage
-            # collector's full scans, which otherwise pause the host whenever they run (260 ms with a compiled
-            # 32-layer model alive, on a 2-core CPU): under DDP one rank's pause holds up every rank.
-            freeze_gc()
-            first_sync = now
-        if not finite:
-            skipped += 1
-            optimizer.zero_grad(set_to_none=not keep_grads)
-            if skipped > args.skip_nonfinite:
-                save_note = f"the last good checkpoint is {ckpt.latest_checkpoint(out_dir) or 'none (no save yet)'}"
-                raise PPTError(
-                    f"non-finite loss/gradient at step {step + 1} (loss {loss_value}); {save_note}. "
-                    "Lower --lr, or pass --skip-nonfinite N to skip such steps"
-                )
-            warn0(f"step {step + 1}: non-finite loss/gradient, step skipped ({skipped}/{args.skip_nonfinite})")
-            step += 1
-            if stopping:
-                break
-            continue
-        if args.benchmark:
-            optimizer_times.append(timed(optimizer.step, rt.device))
+    def evaluate(self) -> Evaluation:
+        rt, s = self.rt, self.settings
+        val_loader = DataLoader(
+            self.data_dir, "val", self.device_batch, self.seq_len, rt.rank, rt.world_size, 0, rt.device,
+            expected_fingerprint=self.tokenizer.fingerprint, vocab_size=self.config.vocab_size,
+        )  # fmt: skip
+        if not self.record.evals and (shortfall := val_loader.budget_shortfall(s.eval_tokens)):
+            warn0(shortfall)  # said once; each evaluation records the tokens it scored
+        result = evaluate_bpb(self.eval_model, val_loader.val_batches(s.eval_tokens), self.token_bytes, rt.dtype)
+        freeze_gc()  # the first call compiled the evaluation graphs: out of the collector's scans too
+        nll, bpb, tokens = result["nll"], result["bpb"], result["tokens"]
+        print0(f"step {self.step:6d} | val nll {nll:.4f} | val bpb {bpb:.4f} ({tokens} tokens)")
+        evaluation = Evaluation(self.step, self.tokens_seen, self.comparison_flops, self.wall_time(), nll, bpb, tokens)
+        self.record.evals.append(evaluation)
+        self.record.history.append(dataclasses.asdict(evaluation))
+        if self.wandb_run:
+            self.wandb_run.log(for_wandb(dataclasses.asdict(evaluation)), step=self.step)
+        return evaluation
+
+    def save(self) -> None:
+        self.last_saved = self.step
+        if not self.rt.is_master:
+            return
+        payload = {
+            "format": CHECKPOINT_FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "config": self.config_dict,
+            "settings": dataclasses.asdict(self.settings),
+            "loader": self.train_loader.state_dict(),
+            "rng": ckpt.rng_state(),
+            "tokens": self.tokens_seen,
+            "history": self.record.history,
+            "skipped_nonfinite_steps": self.skipped,
+            "tokenizer_fingerprint": self.tokenizer.fingerprint,
+            "comparison": {"flops": self.comparison_flops, "rule": self.rule.state_dict(), "rule_step": self.rule_step},
+            "wall_time_s": self.wall_time(),
+            "wandb_id": (self.record.wandb or {}).get("id"),
+        }
+        print0(f"saved {ckpt.save_checkpoint(self.out_dir, self.step, payload, keep=self.args.keep)}")
+
+    def write_record(self) -> None:
+        if self.rt.is_master and not self.args.benchmark:  # a benchmark must not replace a real run's record
+            self.record.write([self.reports_path, self.out_dir / f"{self.tag}.json"])
+
+    # ---- phase 5: the end of the run: save first, so an evaluation crash loses nothing -------------------------
+    def finish(self) -> None:
+        if self.measure.end(self):  # --benchmark: the summary instead of a finished run
+            shutdown_runtime()
+            return
+        if self.step != self.last_saved:
+            self.save()
+        record = self.record
+        record.skipped_nonfinite_steps = self.skipped
+        if self.stopping:
+            print0(f"stopped by signal {self.stopping} at step {self.step}; resume with --resume auto")
+            record.stopped_at = self.step
+            self.write_record()
+            shutdown_runtime()
+            sys.exit(128 + self.stopping)
+        final = self.evaluate()
+        record.steps_done, record.tokens, record.comparison_flops = self.step, self.tokens_seen, self.comparison_flops
+        record.wall_time_s, record.finished = final.wall_time_s, time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.write_record()
+        if self.rt.is_master:
+            print0(f"report: {self.reports_path}")
+            if plot := plot_losses(record, self.out_dir / f"{self.tag}_loss.png"):
+                print0(f"loss curve: {plot}")
+            print0(f"checkpoint: {ckpt.latest_checkpoint(self.out_dir)}")
+        if self.wandb_run:
+            self.wandb_run.finish()
+        shutdown_runtime()
+
+
+class Measurement:
+    """--benchmark and --profile, outside the loop: it calls these hooks, which for a training run only step the
+    optimizer. --benchmark measures instead of training for keeps: no checkpoints, evaluations or record, the
+    optimizer timed apart, and a JSON summary over the steps after the first five (compilation and warm-up),
+    leaving out the steps the profiler slowed down."""
+
+    def __init__(self, args: argparse.Namespace, rt: Runtime) -> None:
+        self.benchmark, self.device, self.world_size = args.benchmark, rt.device, rt.world_size
+        self.profiler = StepProfiler(rt.device, first=5, steps=3) if args.profile and rt.is_master else None
+        self.profiled_steps: set[int] = set()
+        self.optimizer_times: list[Callable[[], float]] = []  # read at the end, so timing never waits for the GPU
+
+    def before_step(self, step: int) -> None:
+        if self.profiler and self.profiler.step():
+            self.profiled_steps.add(step + 1)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.benchmark:
+            self.optimizer_times.append(timed(optimizer.step, self.device))
         else:
             optimizer.step()
-        optimizer.zero_grad(set_to_none=not keep_grads)
-        step += 1
-        tokens_seen += total_batch
-        comparison_flops += rule.step_flops(counts)
-        tok_per_s = total_batch / dt
-        mfu = flops["mfu"] * tok_per_s / (peak * rt.world_size) if peak and flops else None
-        memory_key, memory = memory_gb(rt.device)
-        report.log_step(
-            step=step,
-            tokens=tokens_seen,
-            comparison_flops=comparison_flops,
-            wall_time_s=wall_time(),
-            loss=loss_value,
-            lr=optimizer.param_groups[0]["lr"],
-            grad_norm=norm_value,
-            tok_per_s=tok_per_s,
-            step_time=dt,
-            data_time=data_time,
-            **({"mfu": mfu} if mfu is not None else {}),
-            **{memory_key: memory},
-        )
-        if step % args.log_every == 0 or step == last_step:
-            mfu_text = f" | mfu {100 * mfu:5.1f}%" if mfu is not None else ""
-            per_step = (now - first_sync) / (step - start_step - 1) if step - start_step > 1 else dt
-            print0(
-                f"step {step:6d}/{total_steps} ({100 * step / last_step:.1f}%) | loss {loss_value:.4f} "
-                f"| lr {optimizer.param_groups[0]['lr']:.2e} | grad {norm_value:.3f} | {tok_per_s:,.0f} tok/s "
-                f"| {1000 * dt:.0f} ms{mfu_text} | mem {memory:.2f} GB | {duration(wall_time())} elapsed, eta "
-                f"{duration(per_step * (last_step - step))}"
-            )
-            if wandb_run:
-                wandb_run.log(for_wandb(report.history[-1]), step=step)
-        if stopping:
-            break
-        if args.eval_every and step % args.eval_every == 0 and step < last_step:
-            evaluate(step)
-            last_sync = time.perf_counter()  # evaluation time is not the next step's
-        if args.save_every and step % args.save_every == 0 and step < last_step:
-            save(step)
-            last_saved = step
-            last_sync = time.perf_counter()
-        if step % 50 == 0:
-            report.write()
-    if profiler:
-        profiler.stop()
 
-    if args.benchmark:
-        if rt.device.type == "cuda":
+    def end(self, trainer: Trainer) -> bool:
+        """Stop the profiler; under --benchmark print the summary and return True."""
+        if self.profiler:
+            self.profiler.stop()
+        if not self.benchmark:
+            return False
+        if self.device.type == "cuda":
             torch.cuda.synchronize()  # the last optimizer step's events
-        optimizer_seconds = [read() for read in optimizer_times]
-        summary = benchmark_summary(report.history, optimizer_seconds, profiled_steps, rt, flops, peak, n_params)
+        steps = [h for h in trainer.record.history if "step_time" in h]
+        after_warmup = list(zip(steps, [read() for read in self.optimizer_times]))[5:]
+        kept = [(h, seconds) for h, seconds in after_warmup if h["step"] not in self.profiled_steps]
+        if not kept:
+            raise PPTError("--benchmark needs more than 5 steps (more than 9 with --profile); raise --max-steps")
+        measured = [h for h, _ in kept]
+        step_time = statistics.fmean(h["step_time"] for h in measured)
+        tok_per_s = statistics.fmean(h["tok_per_s"] for h in measured)
+        summary = {
+            "params": trainer.n_params,
+            "steps_measured": len(measured),
+            "steps_profiled_left_out": len(after_warmup) - len(kept),
+            "tok_per_s": tok_per_s,
+            "step_time_s": step_time,
+            "data_share": statistics.fmean(h["data_time"] for h in measured) / step_time,
+            "optimizer_share": statistics.fmean(seconds for _, seconds in kept) / step_time,
+        }
+        if flops := trainer.mfu_flops:
+            summary |= {"flops_per_token": flops["mfu"], "flops_per_token_6n": flops["6n"]}
+            if trainer.peak:
+                summary["mfu"] = flops["mfu"] * tok_per_s / (trainer.peak * self.world_size)
+                summary["mfu_6n"] = flops["6n"] * tok_per_s / (trainer.peak * self.world_size)
+        if torch.cuda.is_available():
+            summary["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         print0("benchmark " + json.dumps(summary))
-        shutdown_runtime()
-        return
-
-    # ---- end of run: save first, so an evaluation crash loses nothing ----------------------------------------
-    if step != last_saved:
-        save(step)
-    if stopping:
-        print0(f"stopped by signal {stopping} at step {step}; resume with --resume auto")
-        report.update(stopped_at=step)
-        report.write()
-        shutdown_runtime()
-        sys.exit(128 + stopping)
-    final = evaluate(step)
-    report.update(
-        final_val=final,
-        steps_done=step,
-        tokens=tokens_seen,
-        comparison_flops=comparison_flops,
-        wall_time_s=final["wall_time_s"],
-        skipped_nonfinite_steps=skipped,
-        finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    )
-    report.write()
-    plot = report.plot(out_dir / f"{tag}_loss.png")
-    if rt.is_master:
-        print0(f"report: {report.paths[0]}")
-        if plot:
-            print0(f"loss curve: {plot}")
-        print0(f"checkpoint: {ckpt.latest_checkpoint(out_dir)}")
-    if wandb_run:
-        wandb_run.finish()
-    shutdown_runtime()
+        return True
 
 
 def first_step_doc_pos_counts(
@@ -932,43 +968,6 @@ def timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]
     fn()
     end.record()
     return lambda: start.elapsed_time(end) / 1000
-
-
-def benchmark_summary(
-    history: list[dict],
-    optimizer_times: list[float],
-    profiled_steps: set[int],
-    rt: object,
-    flops: dict | None,
-    peak: float | None,
-    n_params: int,
-) -> dict:
-    """Mean throughput and phase times over the steps after the first five (compilation and warm-up), leaving out
-    the steps the profiler slowed down."""
-    after_warmup = list(zip([h for h in history if "step_time" in h], optimizer_times))[5:]
-    kept = [(h, seconds) for h, seconds in after_warmup if h["step"] not in profiled_steps]
-    if not kept:
-        raise PPTError("--benchmark needs more than 5 steps (more than 9 with --profile); raise --max-steps")
-    steps = [h for h, _ in kept]
-    mean = lambda key: sum(h[key] for h in steps) / len(steps)
-    step_time = mean("step_time")
-    tok_per_s = mean("tok_per_s")
-    summary = {
-        "params": n_params,
-        "steps_measured": len(steps),
-        "steps_profiled_left_out": len(after_warmup) - len(kept),
-        "tok_per_s": tok_per_s,
-        "step_time_s": step_time,
-        "data_share": mean("data_time") / step_time,
-        "optimizer_share": sum(seconds for _, seconds in kept) / len(kept) / step_time,
-        **({"flops_per_token": flops["mfu"], "flops_per_token_6n": flops["6n"]} if flops else {}),
-    }
-    if peak and flops:
-        summary["mfu"] = flops["mfu"] * tok_per_s / (peak * rt.world_size)
-        summary["mfu_6n"] = flops["6n"] * tok_per_s / (peak * rt.world_size)
-    if torch.cuda.is_available():
-        summary["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    return summary
 
 
 if __name__ == "__main__":

@@ -9,9 +9,12 @@ Runs that differ only in their seeds (and in tag, output directory, world size, 
 launch details) are one setting. The table gives each setting's parameters, tokens and comparison FLOPs (SPEC.md,
 Measurement; marked * where the model could not be traced, so they count 6N alone), its final val bpb as mean ±
 sample std (n seeds), the difference of means to the baseline setting with a 95% Welch interval ("n/a (one seed)"
-when either side has one run), wall time, training tokens/s (the median step's) and the lm-eval scores base_eval
-recorded. The plot draws each setting's mean val bpb at every evaluation, against tokens and against comparison
-FLOPs (log x), with the range over its seeds as a band.
+when either side has one run), the paired difference where runs of both settings share seeds (seed i gives every
+architecture the same data order and initialization seed, so the pairs share the data-order noise), wall time,
+training tokens/s (the median step's) and the lm-eval scores base_eval recorded. The plot draws each setting's mean
+val bpb at every evaluation, against tokens and against comparison FLOPs (log x), with the range over its seeds as
+a band. Settings trained at different budgets, or runs of one budget whose realized comparison FLOPs differ by more
+than 2%, get a note under the table: a difference across budgets is not a comparison at equal cost.
 
 Runs on a different tokenizer, data, sequence length or evaluation token count are not comparable: compare refuses
 them with one error unless --allow-mismatch, which adds a column per difference to the table. Runs on CPU.
@@ -25,62 +28,44 @@ import json
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from ppt.common import ArgumentParser, PPTError, cache_dir, print0, run_cli
 from ppt.comparison_flops import ComparisonFlops
+from ppt.run import RunRecord, TrainSettings
 
-# What must be equal for numbers to be comparable: (column name, how to read it from a manifest)
-MUST_MATCH: dict[str, Callable[[dict], Any]] = {
-    "tokenizer": lambda m: m["tokenizer"]["fingerprint"],
-    "data": lambda m: m["data"]["fingerprint"],
-    "seq len": lambda m: m["train"]["seq_len"],
-    "eval tokens": lambda m: m["final_val"]["eval_tokens"],
+# What must be equal for numbers to be comparable: (column name, how to read it from a record)
+MUST_MATCH: dict[str, Callable[[RunRecord], Any]] = {
+    "tokenizer": lambda r: r.tokenizer["fingerprint"],
+    "data": lambda r: r.data["fingerprint"],
+    "seq len": lambda r: r.train.seq_len,
+    "eval tokens": lambda r: r.final_val.eval_tokens,
 }
-# The training settings (besides the config and the seeds) that make a setting
-SETTING_KEYS = (
-    "total_batch_tokens", "optimizer", "weight_decay", "grad_clip", "schedule", "warmup_steps", "decay_frac",
-    "steps", "last_step", "doc_masks", "dtype",
-)  # fmt: skip
+# The training settings that are launch details or seeds: they do not make a setting of their own
+NOT_SETTING = {"device_batch_size", "grad_accum", "world_size", "ddp_find_unused_parameters", "compile", "compile_mode",
+               "loader_prefetch", "skip_nonfinite", "eval_every", "seed", "data_seed", "model_seed", "deterministic",
+               "recipe", "budget", "target_tokens", "warmup_tokens", "seq_len", "eval_tokens"}  # fmt: skip
 OPTIMIZER_KEYS = ("role", "algorithm", "initial_lr", "betas", "eps", "momentum", "nesterov", "weight_decay")
-
-
-@dataclass
-class Run:
-    path: Path
-    manifest: dict[str, Any]
-
-    @property
-    def tag(self) -> str:
-        return self.manifest.get("run", self.path.stem)
-
-    @property
-    def final(self) -> dict[str, Any]:
-        return self.manifest["final_val"]
-
-    @property
-    def seeds(self) -> tuple[int, int]:
-        train = self.manifest["train"]
-        return train.get("data_seed", train.get("seed")), train.get("model_seed", train.get("seed"))
-
-    def evals(self) -> list[dict[str, Any]]:
-        return self.manifest.get("evals") or [h for h in self.manifest.get("history", []) if "val_bpb" in h]
+FLOPS_TOLERANCE = 0.02  # runs of one budget whose realized comparison FLOPs differ by more are flagged
 
 
 @dataclass
 class Setting:
     label: str
     fields: dict[str, Any]
-    runs: list[Run]
+    runs: list[RunRecord]
 
     def final(self, key: str) -> list[float]:
-        return [run.final[key] for run in self.runs if run.final.get(key) is not None]
+        return [getattr(run.final_val, key) for run in self.runs]
+
+    def by_seeds(self) -> dict[tuple[int, int], float]:
+        return {run.seeds: run.final_val.val_bpb for run in self.runs}
 
 
 def find_manifests(specs: list[str]) -> list[Path]:
-    """Manifest paths from run tags (looked up in <cache>/reports), manifest paths and globs, each once."""
+    """Record paths from run tags (looked up in <cache>/reports), paths and globs, each once."""
     found: list[Path] = []
     for spec in specs:
         path = Path(spec).expanduser()
@@ -102,64 +87,57 @@ def find_manifests(specs: list[str]) -> list[Path]:
     return found
 
 
-def load_run(path: Path) -> Run:
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PPTError(f"{path} is not a readable run manifest ({exc}); pass the JSON base_train wrote") from exc
-    if "train" not in manifest or "config" not in manifest:
-        raise PPTError(f"{path} is not a base_train run manifest (no 'train' or 'config'); pass the JSON it wrote")
-    if "val_bpb" not in manifest.get("final_val", {}):
-        state = f"stopped at step {manifest['stopped_at']}" if "stopped_at" in manifest else "has no final evaluation"
-        raise PPTError(
-            f"run {manifest.get('run', path.stem)} ({path}) {state}: finish it (base_train --resume auto) or leave it "
-            "out"
-        )
-    return Run(path, manifest)
+def load_finished(path: Path) -> RunRecord:
+    record = RunRecord.load(path)
+    if record.final_val is None:
+        state = f"stopped at step {record.stopped_at}" if record.stopped_at else "has no final evaluation"
+        raise PPTError(f"run {record.run} ({path}) {state}: finish it (base_train --resume auto) or leave it out")
+    return record
 
 
-def setting_fields(manifest: dict[str, Any]) -> dict[str, Any]:
+def setting_fields(record: RunRecord) -> dict[str, Any]:
     """Everything that defines a run's setting: all but the seeds, the names and how it was launched."""
-    train = manifest["train"]
-    config_name = manifest.get("config_name") or manifest.get("run")
-    groups = [{k: g[k] for k in OPTIMIZER_KEYS if k in g} for g in train.get("optimizer_groups", [])]
-    fields = {"config": config_name, **{f"config.{k}": v for k, v in manifest["config"].items()}}
-    fields |= {k: train.get(k) for k in SETTING_KEYS} | {"lr": train.get("lr"), "optimizer_groups": groups}
-    fields["target_flops"] = (train.get("budget") or {}).get("target_flops")
-    fields["model source"] = (manifest.get("model_source") or {}).get("sha256", "")[:12] or None
-    return fields | {name: read(manifest) for name, read in MUST_MATCH.items()}
+    train = record.train
+    groups = [{k: g[k] for k in OPTIMIZER_KEYS if k in g} for g in train.optimizer_groups]
+    settings = {f.name: getattr(train, f.name) for f in fields(TrainSettings) if f.name not in NOT_SETTING}
+    return (
+        {"config": record.config_name, **{f"config.{k}": v for k, v in record.config.items()}}
+        | settings
+        | {"optimizer_groups": groups, "target_flops": train.target_flops}
+        | {"model source": record.model_source.get("sha256", "")[:12] or None}
+        | {name: read(record) for name, read in MUST_MATCH.items()}
+    )
 
 
 def _key(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def group_settings(runs: list[Run]) -> list[Setting]:
+def group_settings(runs: list[RunRecord]) -> list[Setting]:
     """Runs grouped by setting, in the order they were given, each labelled by its config name and whatever sets it
     apart from other settings of that config."""
-    groups: dict[str, tuple[dict, list[Run]]] = {}
+    groups: dict[str, tuple[dict, list[RunRecord]]] = {}
     for run in runs:
-        fields = setting_fields(run.manifest)
-        groups.setdefault(_key(fields), (fields, []))[1].append(run)
+        fields_ = setting_fields(run)
+        groups.setdefault(_key(fields_), (fields_, []))[1].append(run)
     settings = []
-    for fields, members in groups.values():
+    for fields_, members in groups.values():
         seen: dict[tuple, str] = {}
         for run in members:
             if run.seeds in seen:
                 raise PPTError(
-                    f"runs {seen[run.seeds]} and {run.tag} have the same setting and seeds {run.seeds} (data, model): "
+                    f"runs {seen[run.seeds]} and {run.run} have the same setting and seeds {run.seeds} (data, model): "
                     "one run twice; leave one out"
                 )
-            seen[run.seeds] = run.tag
-        same_config = [f for f, _ in groups.values() if f["config"] == fields["config"]]
+            seen[run.seeds] = run.run
+        same_config = [f for f, _ in groups.values() if f["config"] == fields_["config"]]
         varying = [
             k
-            for k in fields
+            for k in fields_
             if k != "config" and k not in MUST_MATCH and len({_key(f.get(k)) for f in same_config}) > 1
         ]
-        details = ", ".join(f"{k}={_short(fields[k])}" for k in varying if not k.startswith("optimizer_groups"))
-        label = str(fields["config"]) + (f" ({details})" if details else "")
-        settings.append(Setting(label, fields, members))
+        details = ", ".join(f"{k}={_short(fields_[k])}" for k in varying if not k.startswith("optimizer_groups"))
+        settings.append(Setting(str(fields_["config"]) + (f" ({details})" if details else ""), fields_, members))
     for i, setting in enumerate(settings):  # settings told apart only by a MUST_MATCH difference or optimizer groups
         if [s.label for s in settings].count(setting.label) > 1:
             setting.label += f" #{i + 1}"
@@ -170,13 +148,12 @@ def _short(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def check_comparable(runs: list[Run], allow_mismatch: bool) -> list[str]:
+def check_comparable(runs: list[RunRecord], allow_mismatch: bool) -> list[str]:
     """The MUST_MATCH fields on which the runs differ; an error naming them unless allow_mismatch."""
-    differing = [name for name, read in MUST_MATCH.items() if len({_key(read(r.manifest)) for r in runs}) > 1]
+    differing = [name for name, read in MUST_MATCH.items() if len({_key(read(r)) for r in runs}) > 1]
     if differing and not allow_mismatch:
         details = "; ".join(
-            f"{name}: " + ", ".join(f"{r.tag}={_cell(name, MUST_MATCH[name](r.manifest))}" for r in runs)
-            for name in differing
+            f"{name}: " + ", ".join(f"{r.run}={_cell(name, MUST_MATCH[name](r))}" for r in runs) for name in differing
         )
         raise PPTError(
             f"these runs are not comparable, they differ in {', '.join(differing)} ({details}); compare runs on the "
@@ -257,6 +234,18 @@ def welch_interval(a: list[float], b: list[float], confidence: float = 0.95) -> 
     return difference, difference - half, difference + half
 
 
+def paired_interval(a: dict[Any, float], b: dict[Any, float], confidence: float = 0.95) -> tuple[float, ...] | None:
+    """(mean of a[k] - b[k] over the keys both have, low, high, pairs) with a t interval on the differences; None
+    with fewer than 2 pairs. Runs that share seeds share their data order, so its noise cancels in each pair."""
+    shared = sorted(set(a) & set(b))
+    if len(shared) < 2:
+        return None
+    differences = [a[k] - b[k] for k in shared]
+    mean = statistics.fmean(differences)
+    half = t_quantile(0.5 + confidence / 2, len(shared) - 1) * statistics.stdev(differences) / math.sqrt(len(shared))
+    return mean, mean - half, mean + half, len(shared)
+
+
 # ---- the table ----------------------------------------------------------------------------------------------------
 
 
@@ -272,14 +261,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 60 else f"{minutes:.1f} min" if minutes < 60 else f"{minutes / 60:.2f} h"
 
 
-def _mean(values: list[float]) -> float | None:
-    return statistics.fmean(values) if values else None
-
-
-def _bpb(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.4f} (n=1)"
-    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} (n={len(values)})"
+def _bpb(values: list[float], regimes: dict[str, float]) -> str:
+    text = f"{values[0]:.4f} (n=1)" if len(values) == 1 else (
+        f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} (n={len(values)})")  # fmt: skip
+    bigram = regimes.get("bigram")
+    return text + (" (not below the bigram)" if bigram is not None and statistics.fmean(values) >= bigram else "")
 
 
 def _difference(setting: Setting, baseline: Setting) -> str:
@@ -293,8 +279,15 @@ def _difference(setting: Setting, baseline: Setting) -> str:
     return f"{difference:+.4f} [{interval[1]:+.4f}, {interval[2]:+.4f}]"
 
 
-def _median_tok_per_s(run: Run) -> float | None:
-    speeds = [h["tok_per_s"] for h in run.manifest.get("history", []) if "tok_per_s" in h]
+def _paired(setting: Setting, baseline: Setting) -> str:
+    if setting is baseline:
+        return "baseline"
+    pairs = paired_interval(setting.by_seeds(), baseline.by_seeds())
+    return "-" if pairs is None else f"{pairs[0]:+.4f} [{pairs[1]:+.4f}, {pairs[2]:+.4f}] ({pairs[3]} pairs)"
+
+
+def _median_tok_per_s(run: RunRecord) -> float | None:
+    speeds = [h["tok_per_s"] for h in run.history if "tok_per_s" in h]
     return statistics.median(speeds) if speeds else None
 
 
@@ -305,7 +298,7 @@ def pick_baseline(settings: list[Setting], baseline: str | None) -> Setting:
     for matches in (
         [s for s in settings if s.label == baseline],
         [s for s in settings if s.fields["config"] == baseline],
-        [s for s in settings if any(r.tag == baseline for r in s.runs)],
+        [s for s in settings if any(r.run == baseline for r in s.runs)],
     ):
         if len(matches) == 1:
             return matches[0]
@@ -314,56 +307,75 @@ def pick_baseline(settings: list[Setting], baseline: str | None) -> Setting:
     )
 
 
-def table(settings: list[Setting], baseline: Setting, differing: list[str]) -> str:
-    """The markdown table, one row per setting."""
+def budget_notes(settings: list[Setting]) -> list[str]:
+    """What makes a difference in the table other than one at equal cost: settings of different budgets, and runs
+    of one budget whose realized comparison FLOPs are more than FLOPS_TOLERANCE apart."""
+    notes = []
+    budgets = {s.label: s.fields["target_flops"] or f"{s.runs[0].train.target_tokens:,} tokens" for s in settings}
+    if len({_key(b) for b in budgets.values()}) > 1:
+        listed = "; ".join(f"{label}: {_short(b)}" for label, b in budgets.items())
+        notes.append(f"note: these settings trained at different budgets ({listed}): Δ compares across budgets")
+    by_budget: dict[float, list[RunRecord]] = {}
+    for run in (r for s in settings for r in s.runs if r.train.target_flops):
+        by_budget.setdefault(run.train.target_flops, []).append(run)
+    for budget, runs in by_budget.items():
+        realized = [r.comparison_flops for r in runs]
+        if max(realized) > (1 + FLOPS_TOLERANCE) * min(realized):
+            notes.append(
+                f"warning: runs of budget {budget:.4g} realized {min(realized):.4g} to {max(realized):.4g} comparison "
+                f"FLOPs ({100 * (max(realized) / min(realized) - 1):.1f}% apart, over {100 * FLOPS_TOLERANCE:g}%)"
+            )
+    return notes
+
+
+def table(
+    settings: list[Setting], baseline: Setting, differing: list[str], regimes: dict[str, float] | None = None
+) -> str:
+    """The markdown table, one row per setting; `regimes` (unigram and bigram bpb of the val tokens) add rows."""
+    regimes = regimes or {}
     benchmarks: list[str] = []
-    for setting in settings:
-        for run in setting.runs:
-            for label in ((run.manifest.get("eval") or {}).get("benchmarks") or {}).get("rows", {}):
-                benchmarks += [] if label in benchmarks else [label]
+    for run in (r for s in settings for r in s.runs):
+        benchmarks += [label for label in run.benchmark_scores() if label not in benchmarks]
     header = ["setting", "seeds", "params", "tokens", "comparison FLOPs", "val bpb",
-              f"Δ bpb vs {baseline.label} (95% CI)", "wall time", "tok/s", *differing, *benchmarks]  # fmt: skip
+              f"Δ bpb vs {baseline.label} (95% CI)", "paired Δ (95% CI)", "wall time", "tok/s", *differing,
+              *benchmarks]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     flagged = []  # settings whose rule could not count every mixer by its pairs: why
     for setting in settings:
-        flops = _mean(setting.final("comparison_flops"))
-        reasons = {_rule_warning(r.manifest) for r in setting.runs} - {None}
+        flops = statistics.fmean(setting.final("comparison_flops"))
+        reasons = {_rule_warning(r) for r in setting.runs} - {None}
         flagged += [f"{setting.label}: {sorted(reasons)[0]}"] if reasons else []
         speeds = [s for s in (_median_tok_per_s(r) for r in setting.runs) if s is not None]
         cells = [
             setting.label,
             str(len(setting.runs)),
-            _si(_mean([r.manifest["params"] for r in setting.runs])),
-            _si(_mean(setting.final("tokens"))),
-            (f"{flops:.4g}" + " *" * bool(reasons)) if flops is not None else "-",
-            _bpb(setting.final("val_bpb")),
+            _si(statistics.fmean(r.params for r in setting.runs)),
+            _si(statistics.fmean(setting.final("tokens"))),
+            f"{flops:.4g}" + " *" * bool(reasons),
+            _bpb(setting.final("val_bpb"), regimes),
             _difference(setting, baseline),
-            _duration(_mean(setting.final("wall_time_s")) or 0) if setting.final("wall_time_s") else "-",
+            _paired(setting, baseline),
+            _duration(statistics.fmean(setting.final("wall_time_s"))),
             _si(statistics.fmean(speeds)) if speeds else "-",
         ]
-        for name in differing:
-            cells.append(", ".join(sorted({_cell(name, MUST_MATCH[name](r.manifest)) for r in setting.runs})))
+        cells += [", ".join(sorted({_cell(name, MUST_MATCH[name](r)) for r in setting.runs})) for name in differing]
         for label in benchmarks:
-            scores = [
-                r.manifest["eval"]["benchmarks"]["rows"][label]
-                for r in setting.runs
-                if label in ((r.manifest.get("eval") or {}).get("benchmarks") or {}).get("rows", {})
-            ]
+            scores = [r.benchmark_scores()[label] for r in setting.runs if label in r.benchmark_scores()]
             cells.append(f"{statistics.fmean(scores):.1f}" if scores else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    for name, bpb in regimes.items():  # count-based models of the train split: what a run must beat to have learned
+        lines.append("| " + " | ".join([f"{name} (train-split counts)", "-", "-", "-", "-", f"{bpb:.4f}"]
+                                       + ["-"] * (len(header) - 6)) + " |")  # fmt: skip
     if flagged:
         lines.append("\n* not every token mixer counted by the pairs it needs (" + "; ".join(flagged) + ")")
-    return "\n".join(lines)
+    notes = budget_notes(settings)
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
-def _rule_warning(manifest: dict) -> str | None:
+def _rule_warning(run: RunRecord) -> str | None:
     """What a run's comparison-FLOPs rule says it could not count (a failed trace, a mixer counted densely or not
-    found), read from the rule its manifest records."""
-    state = manifest.get("comparison_flops_rule") or {}
-    try:
-        return ComparisonFlops.from_state_dict(state).warning()
-    except (KeyError, TypeError, ValueError):  # a manifest from before the rule was recorded
-        return None
+    found), read from the rule its record holds."""
+    return ComparisonFlops.from_state_dict(run.comparison_flops_rule).warning()
 
 
 # ---- the plot -----------------------------------------------------------------------------------------------------
@@ -379,16 +391,14 @@ def plot(settings: list[Setting], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for setting in settings:
-        by_step = [{e["step"]: e for e in run.evals()} for run in setting.runs]
+        by_step = [{e.step: e for e in run.evals} for run in setting.runs]
         steps = sorted(set.intersection(*(set(evals) for evals in by_step)))
         if not steps:
             continue
-        bpb = [[evals[s]["val_bpb"] for evals in by_step] for s in steps]
+        bpb = [[evals[s].val_bpb for evals in by_step] for s in steps]
         y = [statistics.fmean(values) for values in bpb]
         for ax, x_key in zip(axes, ("tokens", "comparison_flops"), strict=True):
-            if any(evals[s].get(x_key) is None for evals in by_step for s in steps):
-                continue
-            x = [statistics.fmean(evals[s][x_key] for evals in by_step) for s in steps]
+            x = [statistics.fmean(getattr(evals[s], x_key) for evals in by_step) for s in steps]
             (line,) = ax.plot(x, y, "o-", ms=3, lw=1.2, label=f"{setting.label} (n={len(setting.runs)})")
             if len(setting.runs) > 1:
                 ax.fill_between(x, [min(v) for v in bpb], [max(v) for v in bpb], color=line.get_color(), alpha=0.2)
@@ -431,14 +441,15 @@ def compare(
     baseline: str | None = None,
     allow_mismatch: bool = False,
     plot_path: Path | None = None,
+    regimes: dict[str, float] | None = None,
 ) -> str:
     """The comparison table (markdown) of runs given as tags, manifest paths or globs; also the plot, if asked."""
-    loaded = [load_run(path) for path in find_manifests([str(r) for r in runs])]
+    loaded = [load_finished(path) for path in find_manifests([str(r) for r in runs])]
     if not loaded:
         raise PPTError("no runs to compare; pass run tags, manifest paths or globs")
     differing = check_comparable(loaded, allow_mismatch)
     settings = group_settings(loaded)
-    text = table(settings, pick_baseline(settings, baseline), differing)
+    text = table(settings, pick_baseline(settings, baseline), differing, regimes)
     if plot_path is not None:
         plot(settings, plot_path)
     return text

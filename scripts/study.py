@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ppt.common import ArgumentParser, PPTError, atomic_file, positive_int, run_cli
+from ppt.run import RunRecord
 from scripts import base_train
 from scripts.compare import compare
 
@@ -234,30 +235,27 @@ def manifest_path(out: Path, grid: Grid, run: Run) -> Path:
     return run_dir(out, run) / f"{grid.name}-{run.name}.json"
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+def read_record(path: Path) -> RunRecord | None:
+    """The run's record, None before base_train has written one."""
+    return RunRecord.load(path) if path.is_file() else None
 
 
 def run_state(out: Path, grid: Grid, run: Run) -> str:
     """'finished', 'partial' (started, not finished: resumes) or 'new'. A run dir made by another command raises."""
-    manifest = read_manifest(manifest_path(out, grid, run))
-    if manifest is None:
+    record = read_record(manifest_path(out, grid, run))
+    if record is None:
         return "partial" if run_dir(out, run).exists() else "new"
-    recorded = manifest.get("argv")
-    if recorded is not None and recorded != run.argv:
+    if record.argv != run.argv:
         raise PPTError(
-            f"{run_dir(out, run)} holds a run made by another command ({' '.join(recorded)}); the grid changed "
+            f"{run_dir(out, run)} holds a run made by another command ({' '.join(record.argv)}); the grid changed "
             "since it ran. Use another --out, or delete that run directory to rerun it"
         )
-    return "finished" if manifest.get("finished") else "partial"
+    return "finished" if record.finished else "partial"
 
 
 def final_bpb(out: Path, grid: Grid, run: Run) -> float:
-    manifest = read_manifest(manifest_path(out, grid, run)) or {}
-    return float((manifest.get("final_val") or {}).get("val_bpb", math.inf))
+    record = read_record(manifest_path(out, grid, run))
+    return record.final_val.val_bpb if record and record.final_val else math.inf
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -378,14 +376,14 @@ def plot_frontier(grid: Grid, out: Path, runs: list[Run]) -> Path:
     for arch in grid.archs:
         xs, ys, spreads = [], [], []
         for budget in grid.budgets:
-            manifests = [read_manifest(manifest_path(out, grid, r)) or {} for r in runs
-                         if r.arch == arch.name and r.budget == budget]  # fmt: skip
-            finals = [m["final_val"] for m in manifests if m.get("final_val")]
+            records = [read_record(manifest_path(out, grid, r)) for r in runs
+                       if r.arch == arch.name and r.budget == budget]  # fmt: skip
+            finals = [r.final_val for r in records if r and r.final_val]
             if not finals:
                 continue
-            xs.append(statistics.fmean(f["comparison_flops"] for f in finals))
-            ys.append(statistics.fmean(f["val_bpb"] for f in finals))
-            spreads.append(statistics.stdev(f["val_bpb"] for f in finals) if len(finals) > 1 else 0.0)
+            xs.append(statistics.fmean(f.comparison_flops for f in finals))
+            ys.append(statistics.fmean(f.val_bpb for f in finals))
+            spreads.append(statistics.stdev(f.val_bpb for f in finals) if len(finals) > 1 else 0.0)
         ax.errorbar(xs, ys, yerr=spreads, marker="o", capsize=3, label=arch.name)
     ax.set_xscale("log")
     ax.set_xlabel("comparison FLOPs (log)")

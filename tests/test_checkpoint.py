@@ -1,11 +1,8 @@
-import json
-
 import pytest
 import torch
 
 from ppt import checkpoint as ckpt
 from ppt.common import PPTError
-from ppt.report import RunReport
 
 
 def payload(value: float) -> dict:
@@ -75,18 +72,3 @@ def test_unwritable_output_dir_fails_early(tmp_path):
         ckpt.ensure_writable(blocker / "sub", 10)
     with pytest.raises(PPTError, match=r"B free under .*; a checkpoint takes about 1000000\.0 TB"):
         ckpt.ensure_writable(tmp_path, 10**18)
-
-
-def test_report_writes_manifest_and_plot(tmp_path):
-    report = RunReport("run1", [tmp_path / "a", tmp_path / "b"])
-    report.update(config={"n_layer": 2})
-    for i in range(5):
-        report.log_step(step=i, tokens=100 * i, loss=5.0 - i)
-    report.log_step(step=4, tokens=400, val_bpb=2.0)
-    report.write()
-    for d in ("a", "b"):
-        data = json.loads((tmp_path / d / "run1.json").read_text())
-        assert data["config"] == {"n_layer": 2} and len(data["history"]) == 6
-        assert "torch" in data["hardware"] and "commit" in data["git"]
-    png = report.plot(tmp_path / "curve.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,69 +6,12 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from pathlib import Path
 
 import pytest
+from records import write_manifest
 
 from ppt.common import PPTError
-from scripts.compare import compare, main, t_cdf, t_quantile, welch_interval
-
-
-def write_manifest(
-    directory: Path,
-    tag: str,
-    final_bpb: float,
-    data_seed: int = 0,
-    model_seed: int = 0,
-    config: str = "vanilla",
-    lr: float = 3e-3,
-    flops_per_token: float = 6e6,
-    **changes: object,
-) -> Path:
-    """A manifest as base_train writes it, cut down to what compare reads: evaluations at steps 10 and 20."""
-    evals = [
-        {"step": step, "tokens": 1000 * step, "comparison_flops": int(flops_per_token * 1000 * step),
-         "wall_time_s": 3.0 * step, "val_nll": 2 * bpb, "val_bpb": bpb, "eval_tokens": 4096}
-        for step, bpb in ((10, final_bpb + 0.5), (20, final_bpb))
-    ]  # fmt: skip
-    manifest = {
-        "run": tag,
-        "config_name": config,
-        "config": {"class": "LlamaConfig" if config == "vanilla" else "MultiscreenConfig", "width": len(config)},
-        "params": 1_500_000 if config == "vanilla" else 900_000,
-        "tokenizer": {"fingerprint": "ab" * 32},
-        "data": {"fingerprint": "cd" * 32},
-        "train": {
-            "seq_len": 256,
-            "total_batch_tokens": 1000,
-            "optimizer": "adamw",
-            "lr": lr,
-            "weight_decay": 0.1,
-            "grad_clip": 1.0,
-            "schedule": "wsd",
-            "warmup_steps": 1,
-            "decay_frac": 0.2,
-            "steps": 20,
-            "last_step": 20,
-            "doc_masks": True,
-            "dtype": "torch.bfloat16",
-            "data_seed": data_seed,
-            "model_seed": model_seed,
-            "world_size": data_seed + 1,  # a launch detail: does not split settings
-        },  # fmt: skip
-        "history": [{"step": s, "tok_per_s": 1000.0 * (s % 3 + 1)} for s in range(1, 21)] + evals,
-        "evals": evals,
-        "final_val": evals[-1],
-    }
-    for key, value in changes.items():  # "train.seq_len": 512 sets a nested field
-        *parents, leaf = key.split(".")
-        target = manifest
-        for parent in parents:
-            target = target[parent]
-        target[leaf] = value
-    path = directory / f"{tag}.json"
-    path.write_text(json.dumps(manifest))
-    return path
+from scripts.compare import compare, main, paired_interval, t_cdf, t_quantile, welch_interval
 
 
 def rows(text: str) -> dict[str, list[str]]:
@@ -197,8 +140,7 @@ def test_unfinished_and_duplicate_runs_and_unknown_baselines_are_refused(tmp_pat
     finished = write_manifest(tmp_path, "done", 1.1)
     stopped = write_manifest(tmp_path, "stopped", 1.1, data_seed=1)
     manifest = json.loads(stopped.read_text())
-    del manifest["final_val"]
-    stopped.write_text(json.dumps({**manifest, "stopped_at": 12}))
+    stopped.write_text(json.dumps({**manifest, "finished": None, "stopped_at": 12}))
     with pytest.raises(PPTError, match="run stopped .* stopped at step 12: finish it"):
         compare([finished, stopped])
     twin = write_manifest(tmp_path, "twin", 1.2)
@@ -223,9 +165,48 @@ def test_an_edited_model_of_the_same_config_name_is_its_own_setting(tmp_path):
 
 
 def test_model_source_hashes_model_py_and_the_kernels():
-    from ppt.report import REPO_ROOT, model_source
+    from ppt.run import REPO_ROOT, model_source
 
     source = model_source()
     assert source["files"][0] == "ppt/model.py" and "ppt/kernels/screening.py" in source["files"]
     assert len(source["sha256"]) == 64 and source == model_source()
     assert all((REPO_ROOT / f).is_file() for f in source["files"])
+
+
+def test_runs_that_share_seeds_are_compared_pair_by_pair(tmp_path):
+    vanilla, screening = [1.10, 1.12, 1.14], [1.05, 1.08, 1.09]
+    paths = [write_manifest(tmp_path, f"v{i}", bpb, data_seed=i, model_seed=i) for i, bpb in enumerate(vanilla)]
+    paths += [
+        write_manifest(tmp_path, f"s{i}", bpb, data_seed=i, model_seed=i, config="screening")
+        for i, bpb in enumerate(screening)
+    ]
+    differences = [s - v for s, v in zip(screening, vanilla)]
+    mean, sd = statistics.fmean(differences), statistics.stdev(differences)
+    half = 4.30265273 * sd / math.sqrt(3)  # t(0.975, 2 df)
+    assert paired_interval(dict(enumerate(screening)), dict(enumerate(vanilla))) == pytest.approx(
+        (mean, mean - half, mean + half, 3)
+    )
+    table = rows(compare(paths, baseline="vanilla"))
+    assert table["screening"]["paired Δ (95% CI)"] == f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (3 pairs)"
+    assert table["vanilla"]["paired Δ (95% CI)"] == "baseline"
+    assert paired_interval({0: 1.0}, {0: 2.0, 1: 3.0}) is None  # one pair: no interval
+
+
+def test_differences_across_budgets_and_unequal_realized_flops_are_called_out(tmp_path):
+    budget = {"target_flops": 1.2e11, "target_tokens": 20_000}
+    same = [
+        write_manifest(tmp_path, "v", 1.1, **{"train.budget": budget}),
+        write_manifest(tmp_path, "s", 1.0, config="screening", flops_per_token=6.2e6, **{"train.budget": budget}),
+    ]
+    text = compare(same, baseline="vanilla")
+    assert "across budgets" not in text and "warning: runs of budget 1.2e+11 realized 1.2e+11 to 1.24e+11" in text
+    other = write_manifest(tmp_path, "o", 1.0, config="screening", **{"train.budget": {**budget, "target_flops": 2e11}})
+    assert "note: these settings trained at different budgets" in compare([same[0], other], baseline="vanilla")
+
+
+def test_count_baselines_are_rows_and_runs_not_below_the_bigram_are_marked(tmp_path):
+    paths = [write_manifest(tmp_path, "v", 1.2), write_manifest(tmp_path, "s", 1.0, config="screening")]
+    table = rows(compare(paths, regimes={"unigram": 2.5, "bigram": 1.1}))
+    assert table["vanilla"]["val bpb"] == "1.2000 (n=1) (not below the bigram)"
+    assert table["screening"]["val bpb"] == "1.0000 (n=1)"
+    assert table["bigram (train-split counts)"]["val bpb"] == "1.1000"

@@ -310,7 +310,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(runs):
     logs = [manifest(runs["logs"] / f"rank{rank}.json") for rank in (0, 1)]
     assert [log["exit_codes"][:5] for log in logs] == [[0, 0, 0, 128 + signal.SIGTERM, 0]] * 2  # then the blocks run
     stopped = manifest(runs["signalled"] / "signalled.json")
-    assert stopped["stopped_at"] == SIGNAL_IN_STEP and "final_val" not in stopped
+    assert stopped["stopped_at"] == SIGNAL_IN_STEP and stopped["final_val"] is None
     assert losses(stopped["history"]) == losses(manifest(runs["whole"] / "whole.json")["history"])[:SIGNAL_IN_STEP]
     assert sorted(p.name for p in runs["signalled"].iterdir()) == ["signalled.json", f"step_{SIGNAL_IN_STEP:08d}.pt"]
 

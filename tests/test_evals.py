@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from records import write_manifest
 from torch import nn
 
 pytest.importorskip("lm_eval")
@@ -330,10 +331,9 @@ def trained_run(demo_data_dir, offline_private_cache):
         "tokens": 4096,
     }
     path = ckpt.save_checkpoint(directory, 7, payload)
-    manifest = {"run": "tiny-run", "data": {"dir": str(demo_data_dir)}, "train": {"seq_len": 32}}
-    for target in (offline_private_cache / "reports" / "tiny-run.json", directory / "tiny-run.json"):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(manifest))
+    for target in (offline_private_cache / "reports", directory):
+        target.mkdir(parents=True, exist_ok=True)
+        write_manifest(target, "tiny-run", 5.0, **{"data.dir": str(demo_data_dir), "train.seq_len": 32})
     return path, payload, model.eval(), tokenizer
 
 
@@ -352,7 +352,7 @@ def test_base_eval_demo_task_prints_the_table_and_updates_both_manifests(trained
     expected = evaluate_bpb(model, DataLoader(data_dir, "val", 4, 32).val_batches(1024), tokenizer.token_bytes())
     for manifest in (offline_private_cache / "reports" / "tiny-run.json", path.parent / "tiny-run.json"):
         data = json.loads(manifest.read_text())
-        assert data["train"] == {"seq_len": 32}, "other keys of the manifest are kept"
+        assert data["train"]["seq_len"] == 32 and data["final_val"]["val_bpb"] == 5.0, "the record is kept"
         evaluation = data["eval"]
         assert evaluation["checkpoint"] == str(path) and evaluation["step"] == 7 and evaluation["seq_len"] == 32
         assert evaluation["val"] == expected  # deterministic: the same numbers as a direct call
@@ -371,7 +371,7 @@ def test_base_eval_scores_as_many_tokens_as_the_training_run_and_says_so(trained
         target.write_text(json.dumps(manifest))
     base_eval.main(["--model-tag", "tiny-run", "--skip-tasks", "--batch-size", "4", "--device", "cpu"])
     shown = capsys.readouterr().out
-    assert "up to 320 val tokens (the training run's --eval-tokens, from its manifest)" in shown
+    assert "up to 320 val tokens (the training run's --eval-tokens, from its record)" in shown
     evaluation = json.loads((path.parent / "tiny-run.json").read_text())["eval"]
     assert evaluation["eval_tokens"] == 320 and evaluation["val"]["tokens"] == 320
     assert f"| val bits per byte ↓ (320 tokens) | {evaluation['val']['bpb']:.4f} |" in shown

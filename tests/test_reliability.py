@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from records import write_manifest
 
 from ppt import checkpoint as ckpt
 from ppt import locks
 from ppt.common import PPTError
 from ppt.model import build_model, get_config
-from ppt.report import RunReport
 from ppt.shards import read_meta, read_shard, write_meta, write_shard
 from scripts import base_train
 
@@ -195,15 +195,15 @@ def test_signals_and_max_steps_save_then_resume_reproduces_the_uninterrupted_run
         assert manifest(out, "stopped")["train"]["steps"] == STEPS  # the schedule is the full run's
     else:
         sig = getattr(signal, stop)
-        log_step = RunReport.log_step
+        log_step = base_train.Trainer.log_step
 
-        def signal_after_step(self: RunReport, **metrics: float) -> None:
-            log_step(self, **metrics)
-            if metrics.get("step") == stop_at and "loss" in metrics:
+        def signal_after_step(self: base_train.Trainer, *args: float) -> None:
+            log_step(self, *args)
+            if self.step == stop_at:
                 os.kill(os.getpid(), sig)
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(RunReport, "log_step", signal_after_step)
+            mp.setattr(base_train.Trainer, "log_step", signal_after_step)
             with pytest.raises(SystemExit) as stopped:
                 base_train.main(train_argv(demo_data_dir, out, "stopped"))
         assert stopped.value.code == 128 + sig
@@ -556,7 +556,8 @@ BAD_INPUT = [
                  r"tiny holds checkpoints of an earlier run \(up to step 1\); continue it with --resume auto, or give "
                  r"this run another --tag or --out-dir$", id="train-fresh-run-over-an-earlier-one"),
     pytest.param("base_train", [*TRAIN, "--resume", "{work}/batch128/step_00000004.pt"], {},
-                 r"trained at --total-batch-tokens 128, not 64: .*resume with --total-batch-tokens 128$",
+                 r"step_00000004\.pt trained with other settings \(total_batch_tokens 128 -> 64; .*\): its schedule "
+                 r"and data order would not continue",
                  id="train-resume-other-batch"),
     pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/preparing"], {},
                  r"preparing is being written by a prepare \(pid \d+ .*\); train on it once that has finished$",
@@ -654,21 +655,24 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     for source in [data / "meta.json", data / "tokenizer.json", *data.glob("*_00000.bin")]:
         (preparing / source.name).write_bytes(source.read_bytes())
     (preparing / locks.LOCK_NAME).write_text(json.dumps({**owner, "argv": ["prepare_fineweb"]}))
-    (work / "negative_lr.json").write_text(json.dumps({"args": {"lr": -1.0}}))
-    (work / "args_list.json").write_text(json.dumps({"args": ["x"]}))
+    write_manifest(work, "negative_lr", 1.0, args={"lr": -1.0})
+    write_manifest(work, "args_list", 1.0, args=["x"])
 
     meta = json.loads((data / "meta.json").read_text())["tokenizer"]
     config = dataclasses.replace(get_config("tiny"), vocab_size=meta["vocab_size"])
     other = dataclasses.replace(config, n_layer=2)
     ckpt.save_checkpoint(
-        work / "other_config", 4, {"config": {"class": type(other).__name__, **dataclasses.asdict(other)}}
+        work / "other_config", 4, {"format": 2, "config": {"class": type(other).__name__, **dataclasses.asdict(other)}}
     )
     model = build_model(config)
     model.init_weights()
     payload = {"model": model.state_dict(), "config": {"class": type(config).__name__, **dataclasses.asdict(config)}}
     ckpt.save_checkpoint(work / "tiny", 1, {**payload, "tokenizer_fingerprint": meta["fingerprint"]})
     ckpt.save_checkpoint(work / "cache" / "checkpoints" / "some-run", 1, payload)
-    ckpt.save_checkpoint(work / "batch128", 4, {**payload, "tokens": 4 * 128, "total_batch_tokens": 128})
+    batch128 = [*TRAIN, "--total-batch-tokens", "128", "--target-tokens", "512", "--eval-tokens", "64", "--tag", "b128"]
+    with pytest.MonkeyPatch.context() as mp:  # a real checkpoint, its record in a cache of its own
+        mp.setenv("PPT_CACHE", str(work / "batch128_cache"))
+        base_train.main([a.format(work=work, data=data) for a in batch128] + ["--out-dir", str(work / "batch128")])
 
 
 def entry_points(suffix: str) -> list[str]:

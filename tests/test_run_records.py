@@ -11,11 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from records import write_manifest
 
 from ppt import checkpoint as ckpt
 from ppt.common import PPTError
 from ppt.comparison_flops import ComparisonFlops
 from ppt.data import DataLoader
+from ppt.run import RunRecord, plot_losses
 from scripts import base_eval, base_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -202,11 +204,34 @@ def test_benchmark_scores_go_to_wandb_with_the_val_scores(monkeypatch):
         "step": 9, "tokens": 900, "val": {"nll": 2.5, "bpb": 1.1},
         "benchmarks": {"rows": {"HellaSwag": 37.8, "PIQA": 65.6}, "avg": 51.7},
     }  # fmt: skip
-    assert base_eval.log_to_wandb({"wandb": {"id": "abc", "project": "ppt"}}, evaluation) == "abc"
+    record = types.SimpleNamespace(wandb={"id": "abc", "project": "ppt"})
+    assert base_eval.log_to_wandb(record, evaluation) == "abc"
     expected = {"eval/val_nll": 2.5, "eval/val_bpb": 1.1, "eval/HellaSwag": 37.8, "eval/PIQA": 65.6, "eval/avg": 51.7}
     assert fake.logged == [("abc", {**expected, "eval/step": 9, "eval/tokens": 900})]
-    assert base_eval.log_to_wandb({}, evaluation) is None and len(fake.inits) == 1
+    assert base_eval.log_to_wandb(None, evaluation) is None and len(fake.inits) == 1
 
 
 def test_durations_read_at_a_glance():
     assert [base_train.duration(s) for s in (42, 308, 28_680, 183_600)] == ["42s", "5m08s", "7h58m", "2d03h"]
+
+
+def test_the_record_round_trips_and_a_format_1_manifest_converts(tmp_path):
+    path = write_manifest(tmp_path, "r", 1.25, data_seed=3, model_seed=4)
+    record = RunRecord.load(path)
+    assert record.final_val.val_bpb == 1.25 and record.seeds == (3, 4) and record.train.seq_len == 256
+    record.write([tmp_path / "a" / "r.json"])
+    assert RunRecord.load(tmp_path / "a" / "r.json") == record
+    assert plot_losses(record, tmp_path / "curve.png") is None  # no training losses in this record: nothing to draw
+
+    old = {k: v for k, v in record.to_dict().items() if k not in ("format", "out_dir")}  # as written before formats
+    old |= {"args": {"out_dir": "/runs/r"}, "wall_time_includes": "a note"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    converted = RunRecord.load(tmp_path / "old.json")
+    assert converted.out_dir == "/runs/r" and converted.evals == record.evals and converted.train == record.train
+
+    (tmp_path / "future.json").write_text(json.dumps({**record.to_dict(), "format": 99}))
+    with pytest.raises(PPTError, match=r"future\.json: run record format 99, not 2"):
+        RunRecord.load(tmp_path / "future.json")
+    (tmp_path / "cut.json").write_text(json.dumps({k: v for k, v in record.to_dict().items() if k != "params"}))
+    with pytest.raises(PPTError, match="not a complete format-2 run record"):
+        RunRecord.load(tmp_path / "cut.json")

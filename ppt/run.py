@@ -1,0 +1,282 @@
+"""The run record: one typed schema for what a training run resolved, measured and scored.
+
+base_train writes it (`<cache>/reports/<tag>.json` and beside the checkpoints, rewritten atomically as the run
+progresses); base_eval adds its scores; compare and study read it by attribute. `RunRecord.load` reads the current
+format, converts a format-1 manifest (written before the format was versioned) with `from_format_1`, and refuses
+anything else with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ppt.common import PPTError, atomic_file
+
+FORMAT = 2
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class TrainSettings:
+    """Every setting base_train resolved: what the run trained, and how it was launched."""
+
+    seq_len: int
+    total_batch_tokens: int
+    device_batch_size: int
+    grad_accum: int
+    world_size: int
+    optimizer: str
+    lr: float
+    optimizer_groups: list[dict[str, Any]]  # per parameter role: algorithm, initial_lr, betas, eps, weight decay, ...
+    weight_decay: float
+    grad_clip: float
+    schedule: str
+    warmup_tokens: float
+    warmup_steps: int
+    decay_frac: float
+    steps: int  # the schedule's length
+    last_step: int  # where the run stops (--max-steps), the schedule unchanged
+    target_tokens: int
+    budget: dict[str, Any] | None  # --target-flops: the FLOPs, the per-token estimate, the tokens it became
+    doc_masks: bool
+    deterministic: bool
+    seed: int
+    data_seed: int
+    model_seed: int
+    dtype: str
+    compile: bool
+    compile_mode: str | None
+    loader_prefetch: int
+    skip_nonfinite: int
+    eval_every: int
+    eval_tokens: int
+    recipe: str | None
+    ddp_find_unused_parameters: bool = False
+
+    # What must not change when a run resumes: its schedule and the data it reads
+    RESUMABLE_CHANGES = ("device_batch_size", "grad_accum", "world_size", "compile", "compile_mode", "last_step",
+                         "loader_prefetch", "eval_every", "skip_nonfinite", "ddp_find_unused_parameters", "dtype",
+                         "deterministic", "recipe", "optimizer_groups", "budget")  # fmt: skip
+
+    def resume_mismatch(self, saved: TrainSettings) -> list[str]:
+        """The settings that differ from a checkpoint's and would change what the resumed run trains."""
+        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(saved)
+        return [
+            f"{k} {theirs[k]!r} -> {v!r}" for k, v in mine.items() if k not in self.RESUMABLE_CHANGES and v != theirs[k]
+        ]
+
+    @property
+    def target_flops(self) -> float | None:
+        return (self.budget or {}).get("target_flops")
+
+
+@dataclass
+class Evaluation:
+    """One val bits-per-byte measurement during training."""
+
+    step: int
+    tokens: int
+    comparison_flops: int
+    wall_time_s: float
+    val_nll: float
+    val_bpb: float
+    eval_tokens: int
+
+
+@dataclass
+class RunRecord:
+    run: str  # the run's name (--tag)
+    out_dir: str
+    argv: list[str]
+    args: dict[str, Any]  # base_train's flags as resolved: what --from-manifest relaunches
+    config_name: str
+    config: dict[str, Any]  # {"class": the config class, **its fields}
+    tokenizer: dict[str, Any]  # name, fingerprint, demo
+    data: dict[str, Any]  # dir, fingerprint (of the tokens: ppt.data)
+    train: TrainSettings
+    params: int
+    flops_per_token: dict[str, Any] | None  # the MFU convention; None when the forward could not be traced
+    comparison_flops_rule: dict[str, Any]  # ComparisonFlops.state_dict() and what it came to per token
+    started: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    git: dict[str, Any] = field(default_factory=lambda: git_state())
+    model_source: dict[str, Any] = field(default_factory=lambda: model_source())
+    hardware: dict[str, Any] = field(default_factory=lambda: hardware())
+    history: list[dict[str, Any]] = field(default_factory=list)  # per step and per evaluation (SPEC.md)
+    evals: list[Evaluation] = field(default_factory=list)
+    # how the run ended
+    steps_done: int | None = None
+    tokens: int | None = None
+    comparison_flops: int | None = None
+    wall_time_s: float | None = None
+    skipped_nonfinite_steps: int = 0
+    finished: str | None = None
+    stopped_at: int | None = None
+    wandb: dict[str, Any] | None = None
+    eval: dict[str, Any] | None = None  # scripts.base_eval's results
+    format: int = FORMAT
+
+    @property
+    def final_val(self) -> Evaluation | None:
+        """The end-of-training evaluation; None until the run has finished."""
+        return self.evals[-1] if self.finished and self.evals else None
+
+    @property
+    def command(self) -> str:
+        return shlex.join(["python", "-m", "scripts.base_train", *self.argv])
+
+    @property
+    def seeds(self) -> tuple[int, int]:
+        return self.train.data_seed, self.train.model_seed
+
+    def benchmark_scores(self) -> dict[str, float]:
+        """base_eval's lm-eval scores by task label, if it ran them."""
+        return ((self.eval or {}).get("benchmarks") or {}).get("rows", {})
+
+    def to_dict(self) -> dict[str, Any]:
+        final = self.final_val and dataclasses.asdict(self.final_val)
+        return dataclasses.asdict(self) | {"command": self.command, "final_val": final}  # derived: not read back
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
+        """The record a dict holds; a PPTError when it is not a run record of this format."""
+        data = dict(data)
+        if data.get("format") != FORMAT:
+            raise PPTError(
+                f"run record format {data.get('format')!r}, not {FORMAT}; convert a format-1 manifest with "
+                "ppt.run.from_format_1, or rerun with this ppt"
+            )
+        for derived in ("command", "final_val"):
+            data.pop(derived, None)
+        try:
+            data["train"] = TrainSettings(**data["train"])
+            data["evals"] = [Evaluation(**e) for e in data.get("evals", [])]
+            return cls(**data)
+        except (KeyError, TypeError) as exc:
+            raise PPTError(f"not a complete format-{FORMAT} run record ({exc})") from exc
+
+    @classmethod
+    def load(cls, path: Path) -> RunRecord:
+        """The record in `path`: this format, or a format-1 manifest converted. One PPTError line otherwise."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PPTError(f"{path} is not a readable run record ({exc}); pass the JSON base_train wrote") from exc
+        if not isinstance(data, dict) or "train" not in data:
+            raise PPTError(f"{path} is not a run record of base_train (no 'train'); pass the JSON it wrote")
+        try:
+            return cls.from_dict(from_format_1(data) if "format" not in data else data)
+        except PPTError as exc:
+            raise PPTError(f"{path}: {exc}") from exc
+
+    def write(self, paths: list[Path]) -> None:
+        payload = json.dumps(self.to_dict(), indent=1, default=str).encode("utf-8")
+        for path in paths:
+            try:
+                with atomic_file(path) as f:
+                    f.write(payload)
+            except OSError as exc:
+                raise PPTError(
+                    f"could not write the run record {path} ({exc.strerror or exc}); the previous version is "
+                    "untouched. Free disk space, then resume with --resume auto"
+                ) from exc
+
+
+def from_format_1(data: dict[str, Any]) -> dict[str, Any]:
+    """A manifest written before the record had a format (2026-11-29 to 2026-12-02) as a format-2 record's dict:
+    the same keys, with out_dir read from its flags and the wall-time note (now in SPEC.md) dropped."""
+    data = {k: v for k, v in data.items() if k != "wall_time_includes"}
+    args = data.get("args") or {}
+    return data | {"format": FORMAT, "out_dir": args.get("out_dir") or data.get("data", {}).get("dir", "")}
+
+
+def git_state() -> dict[str, Any]:
+    """Commit sha and whether the working tree differs from it (None outside a git checkout)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": sha, "dirty": bool(status) if status is not None else None}
+
+
+def model_source() -> dict[str, Any]:
+    """sha256 of the architecture's source (ppt/model.py and the kernels it may call): two runs of one config name
+    whose model code differs are different settings, whatever git says about a dirty tree."""
+    files = [REPO_ROOT / "ppt" / "model.py", *sorted((REPO_ROOT / "ppt" / "kernels").glob("*.py"))]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(REPO_ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return {"sha256": digest.hexdigest(), "files": [p.relative_to(REPO_ROOT).as_posix() for p in files]}
+
+
+def hardware() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count()}
+    info |= {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda or torch.version.hip
+    return info
+
+
+def plot_losses(record: RunRecord, path: Path) -> Path | None:
+    """Train loss (and val bpb) against tokens as a PNG; None when there is nothing to plot or the file cannot be
+    written (a warning: the checkpoints and the record, written before it, hold the run)."""
+    train = [(h["tokens"], h["loss"]) for h in record.history if "loss" in h]
+    if not train:
+        return None
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ppt.common import warn0
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train), lw=1, label="train loss (nats/token)")
+    if record.evals:
+        ax2 = ax.twinx()
+        ax2.plot([e.tokens for e in record.evals], [e.val_bpb for e in record.evals], "o-", color="tab:red",
+                 label="val bits/byte")  # fmt: skip
+        ax2.set_ylabel("val bits per byte")
+        ax2.legend(loc="upper center")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("train loss")
+    ax.set_title(record.run)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    try:
+        with atomic_file(path) as f:
+            f.write(png.getvalue())
+    except OSError as exc:
+        warn0(f"could not write the loss curve {path} ({exc.strerror or exc})")
+        return None
+    return path
