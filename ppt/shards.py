@@ -12,7 +12,7 @@ Shard format, version 1. A fixed 1024-byte little-endian header, then the tokens
     32      4      flags, uint32: bit 0 set when the offline demo tokenizer made the tokens; bit 1 when offset 164
                    holds the largest token id
     36      32     tokenizer fingerprint: sha256 digest of the canonical tokenizer JSON
-    68      32     sha256 digest of the token bytes (so a hash of the headers covers the content)
+    68      32     sha256 digest of the token bytes (the dataset fingerprint is made of these)
     100     64     tokenizer name, UTF-8, NUL-padded
     164     4      the largest token id in the shard, uint32 (shards written before it existed: 0, bit 1 unset)
     168     856    zeros
@@ -252,13 +252,16 @@ def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:
 
 
 def dataset_fingerprint(data_dir: str | Path) -> str:
-    """sha256 over every shard's name and header (headers hold a hash of the tokens): identifies the data."""
-    digest = hashlib.sha256()
+    """sha256 of the lines `<split> <tokenizer fingerprint> <sha256 of the token bytes>`, one per shard, train then
+    val, in index order: it identifies the tokens, the tokenizer and the split (shard boundaries included, as they
+    shape the rows), never a path, the tokenizer's name or the header's layout, so a rerun on shards prepared from
+    the same documents with the same tokenizer anywhere gets the same fingerprint."""
+    lines = []
     for split in SPLITS:
         for path in list_shards(data_dir, split):
-            with open(path, "rb") as f:
-                digest.update(path.name.encode() + f.read(HEADER_BYTES))
-    return digest.hexdigest()
+            info, _ = read_shard(path)
+            lines.append(f"{split} {info.tokenizer_fingerprint} {info.tokens_sha256}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 def out_of_vocab(path: str | Path, token_id: int, vocab_size: int, where: str = "") -> str:

@@ -168,6 +168,29 @@ def test_interrupted_prepare_resumes_to_the_same_shards(tmp_path, tokenizer_path
     assert not list(resumed.glob(".*.tmp"))
 
 
+def test_dataset_fingerprint_is_the_content_not_the_paths(tmp_path, tokenizer_path):
+    """The same documents through a copy of the tokenizer at another path, into another directory: the same
+    fingerprint (the headers differ: they name the tokenizer's path). Other tokens or another split: another one."""
+    copy = tmp_path / "elsewhere" / "cosmo.json"
+    copy.parent.mkdir()
+    copy.write_bytes(tokenizer_path.read_bytes())
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
+    other_docs = write_jsonl(tmp_path / "d.jsonl", make_docs()[::-1])
+    runs = {
+        "a": [corpus, tokenizer_path, SIZES],
+        "b": [corpus, copy, SIZES],
+        "other tokens": [other_docs, tokenizer_path, SIZES],
+        "other split": [corpus, tokenizer_path, ["--shard-tokens", "1500", "--val-tokens", "600"]],
+    }
+    for name, (source, tokenizer, sizes) in runs.items():
+        argv = ["--source", str(source), "--tokenizer", str(tokenizer), *sizes, "--workers", "1"]
+        assert main([*argv, "--out", str(tmp_path / name)]) == 0
+    fingerprints = {name: shards.dataset_fingerprint(tmp_path / name) for name in runs}
+    assert (tmp_path / "a" / "val_00000.bin").read_bytes() != (tmp_path / "b" / "val_00000.bin").read_bytes()
+    assert fingerprints["a"] == fingerprints["b"]
+    assert len(set(fingerprints.values())) == 3
+
+
 def test_resume_refuses_different_settings(tmp_path, tokenizer_path, capsys):
     corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
     common = ["--source", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)]
