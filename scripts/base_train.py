@@ -62,7 +62,7 @@ from ppt.devices import peak_flops
 from ppt.flops import mfu_flops_per_token
 from ppt.locks import hold_lock, lock_directory, release_locks
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
-from ppt.model import CONFIGS, DEFAULT_CONFIG, build_model, get_config
+from ppt.model import CONFIGS, DEFAULT_CONFIG, OP_FORMULAS, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.report import RunReport
@@ -419,7 +419,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
 
     # ---- FLOPs, read from the (resumed) model: learned windows are the trained ones -----------------------------
     try:
-        flops, untraced = mfu_flops_per_token(model, seq_len), None  # the MFU convention: a throughput figure
+        flops, untraced = mfu_flops_per_token(model, seq_len, OP_FORMULAS), None  # MFU convention: a throughput figure
     except PPTError as exc:  # a forward that does not run on meta trains all the same, without MFU
         flops, untraced = None, str(exc)
     peak = peak_flops(rt.device, rt.dtype)
@@ -428,7 +428,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
         rule, rule_step = ComparisonFlops.from_state_dict(comparison["rule"]), comparison["rule_step"]
         comparison_flops = comparison["flops"]
     else:
-        rule, rule_step, comparison_flops = comparison_flops_rule(model, seq_len), start_step, 0
+        rule, rule_step, comparison_flops = comparison_flops_rule(model, seq_len, OP_FORMULAS), start_step, 0
         if start_step:
             warn0(f"{resume_path} predates comparison FLOPs: they are counted from step {start_step} on")
     warnings = [rule_warning] if (rule_warning := rule.warning()) else []
@@ -692,7 +692,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> None:
             stopping = stop_signal[0]
             break
         if step % RULE_RETRACE_STEPS == 0 and step != rule_step:
-            rule, rule_step = comparison_flops_rule(model, seq_len), step
+            rule, rule_step = comparison_flops_rule(model, seq_len, OP_FORMULAS), step
             last_sync = time.perf_counter()  # the trace's time is not the step's
         set_lr(optimizer, lr_multiplier(step, total_steps, warmup_steps, args.schedule, args.decay_frac))
         loss_sum = torch.zeros((), device=rt.device)
