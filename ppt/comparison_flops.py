@@ -134,10 +134,7 @@ def _counted_mixers(calls: list[MixerCall], seq_len: int) -> list[dict]:
         mixer = mixers.setdefault((op, part), {"op": op, "part": part, "calls": 0})
         mixer["calls"] += 1
         if heads and not any(math.isnan(reach) for _, reach in heads):
-            pairs[op, part].update(
-                (round(flops_per_pair), seq_len if math.isinf(reach) else min(seq_len, math.ceil(reach)))
-                for flops_per_pair, reach in heads
-            )
+            pairs[op, part].update((round(fpp), math.ceil(min(seq_len, reach))) for fpp, reach in heads)
             continue
         mixer["dense_flops_per_row"] = mixer.get("dense_flops_per_row", 0.0) + flops_per_row
         if heads:  # the trace knows the heads, not how many pairs each needs

@@ -426,8 +426,10 @@ class _FusedAttention(torch.autograd.Function):
         flops = sdpa_flop_count(*_gqa_shapes(q.shape, k.shape, v.shape))
         operands = [t for t in (q, k, v, mask) if t is not None]
         trace.op_name = "scaled_dot_product_attention"
-        b, h, _, d = _as_bhtd(q.shape)  # every query head does its own q.k and p.v: over the causal prefix, or over
-        reach = math.inf if is_causal and mask is None else math.nan  # pairs a mask tensor keeps, unreadable on meta
+        # every query head does its own q.k and p.v, over the causal prefix or over the pairs a mask tensor keeps,
+        # which cannot be read on meta (reach NaN: unknown)
+        b, h, _, d = _as_bhtd(q.shape)
+        reach = math.inf if is_causal and mask is None else math.nan
         trace.book_mixer(flops, [(2.0 * (d + v.shape[-1]), reach)] * (b * h // trace.rows))
         trace.record("matmul", flops, q.dtype, operands + [out, lse])
         ctx.trace, ctx.has_mask = trace, mask is not None
@@ -581,9 +583,8 @@ def declare_token_mixer(heads: list[tuple[float, float]]) -> None:
     a state-space scan; the pair's FLOPs are then its forward FLOPs per token and head).
 
     Call it in the mixer module's forward, once a call. Whatever else that module part does is then not counted as a
-    mixer (its matmuls between activations still count for MFU). Only the trace's torch function mode sees the call:
-    in training no such mode is active, so it does nothing, and torch.compile folds it away (no graph break).
-    docs/flops.md has an example.
+    mixer (its matmuls between activations still count for MFU). Only the trace's torch function mode books the call:
+    in training it does nothing, and torch.compile folds it away (no graph break). docs/flops.md has an example.
     """
     if torch._C._is_torch_function_mode_enabled():
         handle_torch_function(declare_token_mixer, (), heads)

@@ -244,9 +244,9 @@ def test_the_fixed_optimizer_lowers_the_loss_of_a_repeated_batch(name, optimizer
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_the_forward_runs_on_meta_so_flops_are_traced_and_its_mixers_counted_by_their_pairs(name):
-    """Expected (SPEC.md): a forward that cannot be traced, whose token mixer the trace cannot see, or whose mixer
-    the rule can count only at its dense traced cost (every pair it computes, not the pairs it needs) still trains,
-    with a warning, but its comparison FLOPs are not what runs are compared by. The warning names the fix."""
+    """Expected (SPEC.md): a forward that cannot be traced, whose token mixer the trace cannot see, or whose mixer the
+    rule counts at its dense traced cost (every pair it computes, not the pairs it needs) trains with a warning, but
+    its comparison FLOPs are wrong; the failure shows the warning, which names the declaration to add."""
     model, formulas = fresh(name), ModelFile.of(ppt.model).op_formulas
     assert cost(model, batch_size=1, seq_len=16, formulas=formulas).params_matmul > 0
     rule = comparison_flops_rule(model, 16, formulas)

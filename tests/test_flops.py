@@ -280,10 +280,25 @@ def test_cli_prints_tables_and_rejects_bad_input(capsys):
     out = capsys.readouterr().out
     for expected in ("adjoint matmul", "FLOPs/token, MFU convention", "roofline knee", "blocks.mlp", "MFU <="):
         assert expected in out
+    assert "over the pairs they need" in out and "NOT all" not in out and "warning" not in out
     main(["--config", "tiny", "--batch-size", "1", "--seq-len", "16", "--device", "cpu"])
     assert "peak rates unknown" in capsys.readouterr().out
     with pytest.raises(PPTError, match="unknown config 'no-such-config'"):
         main(["--config", "no-such-config"])
+
+
+def test_cli_says_when_a_mixer_is_not_counted_by_its_pairs(capsys, monkeypatch):
+    """Attention through SDPA with a mask tensor (a sliding window, say), which the trace cannot read."""
+    import ppt.model
+
+    masked = lambda q, k, v, mask: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.ones(q.shape[-2], k.shape[-2], device=q.device).tril().bool(), enable_gqa=True
+    )
+    monkeypatch.setattr(ppt.model, "attention", masked)
+    main(["--config", "tiny", "--batch-size", "1", "--seq-len", "32", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "NOT all over the pairs they need" in out
+    assert "blocks.attn: ppt.flops.declare_token_mixer([(128, reach)] * 4)" in out  # 2 (d_qk + d_v), heads of tiny
 
 
 def test_manifest_summary_adds_up_to_the_table():
