@@ -102,8 +102,7 @@ def _vector_product_flops(*args: object, **kwargs: object) -> int:
     return 2 * max(t.numel() for t in operands)
 
 
-_MATMUL_EXTRA = {"mv": _vector_product_flops, "addmv": _vector_product_flops, "dot": _vector_product_flops,
-                 "vdot": _vector_product_flops}  # fmt: skip
+_MATMUL_EXTRA = dict.fromkeys(("mv", "addmv", "dot", "vdot"), _vector_product_flops)
 
 _SHADOW_MAX = 4096  # parameter-derived tensors up to this size keep real values during the trace (see _Trace)
 

@@ -140,7 +140,8 @@ def test_a_setting_whose_mixer_counted_densely_or_not_at_all_is_marked(tmp_path)
     table = rows(text.split("\n\n")[0])
     assert not table["vanilla"]["comparison FLOPs"].endswith("*")
     assert table["dense"]["comparison FLOPs"].endswith(" *") and table["unseen"]["comparison FLOPs"].endswith(" *")
-    assert "dense: comparison FLOPs: bmm in blocks.attn mixes tokens" in text
+    assert "dense: comparison FLOPs count a token mixer at its dense traced cost" in text
+    assert "bmm in blocks.attn: ppt.flops.declare_token_mixer([(2 * (d_qk + d_v), reach)] * n_heads)" in text
     assert "unseen: comparison FLOPs found no token mixer" in text
 
 
