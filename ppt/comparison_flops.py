@@ -1,10 +1,10 @@
-"""Comparison FLOPs: one rule for every token mixer, read from the trace of ppt/flops.py (SPEC.md, "Measurement";
-docs/flops.md). What runs are compared by; MFU keeps its own convention (ppt/flops.py)."""
+"""Comparison FLOPs: one rule for every token mixer, read from the token mixer calls the trace of ppt/flops.py lists
+(SPEC.md, "Measurement"; docs/flops.md). What runs are compared by; MFU keeps its own convention (ppt/flops.py)."""
 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ppt.common import PPTError
-from ppt.flops import traced_step, unwrap_model
+from ppt.flops import NO_FORMULAS, MixerCall, OpFormulas, traced_step, unwrap_model
 
 
 @dataclass
@@ -22,16 +22,17 @@ class ComparisonFlops:
     A step's comparison FLOPs are 3 x the forward FLOPs the model's math needs for the tokens trained on: 6 N per
     token (N: matmul parameters, a tied head once) plus 3 x every token mixer's forward FLOPs over the (query, key)
     pairs it needs. A query at document position p needs min(reach, p + 1) keys of a head: reach is the row length
-    (the whole document prefix) for causal attention, the window for screening. A mixer that no pair formula
-    describes counts at its traced (dense) forward FLOPs per row; `dense` lists those. A mixer may also declare its
-    pairs itself (ppt.flops.declare_token_mixer). A model whose forward cannot be traced on meta gets a rule that
-    says why (`untraced`) and counts 6N alone, N estimated from the parameters.
+    (the whole document prefix) for causal attention, the window for screening. A mixer whose pairs are not known
+    (no pair formula, no declaration, SDPA with a mask tensor) counts at its traced (dense) forward FLOPs per row;
+    `dense` lists those. A model whose forward cannot be traced on meta gets a rule that says why (`untraced`) and
+    counts 6N alone, N estimated from the parameters.
     """
 
     seq_len: int
     params_matmul: int
     # per (op, model part), in model order: {"op", "part", "calls"} and "heads": [[FLOPs per pair, reach, how many
-    # heads per row], ...] for pair-counted calls and/or "dense_flops_per_row" for the rest
+    # heads per row], ...] for pair-counted calls and/or "dense_flops_per_row" for the rest (with, where the trace
+    # saw the heads but not their reach, "heads_of_unknown_reach": [FLOPs per pair, heads per row] of one call)
     mixers: list[dict]
     untraced: str | None = None  # why the trace failed: then N is every parameter of 2+ dimensions and no mixer counts
 
@@ -64,12 +65,15 @@ class ComparisonFlops:
             )
         if not self.dense:
             return None
-        names = ", ".join(f"{mixer['op']} in {mixer['part']}" for mixer in self.dense)
+        declarations = []
+        for mixer in self.dense:
+            flops_per_pair, heads = mixer.get("heads_of_unknown_reach", ("2 * (d_qk + d_v)", "n_heads"))
+            call = f"ppt.flops.declare_token_mixer([({flops_per_pair}, reach)] * {heads})"
+            declarations.append(f"{mixer['op']} in {mixer['part']}: {call}")
         return (
-            f"comparison FLOPs: {names} mixes tokens with matmuls no pair formula describes, so it counts at its dense "
-            "traced cost (every pair it computes). To count only the pairs it needs, call "
-            "F.scaled_dot_product_attention(is_causal=True), declare them with ppt.flops.declare_token_mixer in its "
-            "forward, or make it a custom op with a PAIR_FORMULAS entry beside it (docs/flops.md)"
+            "comparison FLOPs count a token mixer at its dense traced cost (every pair it computes), not the pairs it "
+            f"needs, until its module's forward declares them: {'; '.join(declarations)}, where reach is how many keys "
+            "back a query needs at most (its window; math.inf for the whole prefix; docs/flops.md)"
         )
 
     def step_flops(self, doc_pos_counts: np.ndarray) -> int:
@@ -100,8 +104,9 @@ class ComparisonFlops:
         return cls(int(state["seq_len"]), int(state["params_matmul"]), list(state["mixers"]), state.get("untraced"))
 
 
-def comparison_flops_rule(model: nn.Module, seq_len: int) -> ComparisonFlops:
-    """The comparison-FLOPs rule of `model` for rows of `seq_len` tokens, read from one traced forward of one row.
+def comparison_flops_rule(model: nn.Module, seq_len: int, formulas: OpFormulas = NO_FORMULAS) -> ComparisonFlops:
+    """The comparison-FLOPs rule of `model` for rows of `seq_len` tokens, read from one traced forward of one row;
+    `formulas` count the model's custom ops (ppt/model.py's OP_FORMULAS).
 
     Learned reaches (screening windows) are read at the model's current values, so call it again when they may have
     moved. The trace runs on meta: a fraction of a second for a 360M model. A model that cannot be traced (a forward
@@ -110,19 +115,33 @@ def comparison_flops_rule(model: nn.Module, seq_len: int) -> ComparisonFlops:
     """
     model = unwrap_model(model)
     try:
-        trace = traced_step(model, 1, seq_len, torch.float32, backward=False)
+        trace = traced_step(model, 1, seq_len, torch.float32, backward=False, formulas=formulas)
     except PPTError as exc:
         params = {id(p): p.numel() for p in model.parameters() if p.ndim >= 2}  # a shared (tied) tensor once
         return ComparisonFlops(seq_len, sum(params.values()), [], untraced=str(exc))
-    mixers = []
-    for (op, part), tally in trace.counted_mixers().items():
-        mixer: dict = {"op": op, "part": part, "calls": tally["calls"]}
-        heads: Counter = Counter()
-        for (flops_per_pair, reach), count in tally["heads"].items():
-            heads[(round(flops_per_pair), seq_len if math.isinf(reach) else min(seq_len, math.ceil(reach)))] += count
-        if heads:
-            mixer["heads"] = [[flops_per_pair, reach, count] for (flops_per_pair, reach), count in heads.items()]
-        if tally["dense_flops"]:
-            mixer["dense_flops_per_row"] = round(tally["dense_flops"])
-        mixers.append(mixer)
-    return ComparisonFlops(seq_len, round(trace.weight_flops / (2 * seq_len)), mixers)
+    return ComparisonFlops(seq_len, round(trace.weight_flops / (2 * seq_len)), _counted_mixers(trace.mixers, seq_len))
+
+
+def _counted_mixers(calls: list[MixerCall], seq_len: int) -> list[dict]:
+    """The mixer calls of one row, tallied per (op, model part) in model order. In a part with a declaration, the
+    declaration alone counts; a call whose heads all have a known reach counts by its pairs, any other densely."""
+    declared = {call.part for call in calls if call.op == "declare_token_mixer"}
+    mixers: dict[tuple[str, str], dict] = {}
+    pairs: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for op, part, flops_per_row, heads in calls:
+        if part in declared and op != "declare_token_mixer":
+            continue
+        mixer = mixers.setdefault((op, part), {"op": op, "part": part, "calls": 0})
+        mixer["calls"] += 1
+        if heads and not any(math.isnan(reach) for _, reach in heads):
+            pairs[op, part].update((round(fpp), math.ceil(min(seq_len, reach))) for fpp, reach in heads)
+            continue
+        mixer["dense_flops_per_row"] = mixer.get("dense_flops_per_row", 0.0) + flops_per_row
+        if heads:  # the trace knows the heads, not how many pairs each needs
+            mixer["heads_of_unknown_reach"] = [round(heads[0][0]), len(heads)]
+    for key, mixer in mixers.items():
+        if pairs[key]:
+            mixer["heads"] = [[flops_per_pair, reach, count] for (flops_per_pair, reach), count in pairs[key].items()]
+        if "dense_flops_per_row" in mixer:
+            mixer["dense_flops_per_row"] = round(mixer["dense_flops_per_row"])
+    return list(mixers.values())

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from ppt.common import PPTError
-from ppt.flops import OP_CLASSES, dtype_name, si, text_table
 
 
 @dataclass(frozen=True)
@@ -28,11 +27,6 @@ class Device:
         """The roofline knee (FLOPs/byte): below it an op is memory-bound, above it compute-bound."""
         peak = self.peak(op_class, dtype)
         return peak / self.bandwidth if peak else None
-
-    def table(self, dtype: torch.dtype) -> str:
-        body = [(c, [si(self.peak(c, dtype) or 0), si(self.bandwidth), si(self.knee(c, dtype) or 0)])
-                for c in OP_CLASSES]  # fmt: skip
-        return text_table([["flops", "bytes", "intensity"], [dtype_name(dtype), "/s", "knee"]], body)
 
 
 def _matmul_peaks(bf16: float, tf32: float, fp8: float | None = None) -> dict[torch.dtype, float]:

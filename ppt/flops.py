@@ -1,43 +1,35 @@
 """Where a training step's compute goes: an analytic cost model derived from the model itself.
 
-`cost(model, batch_size, seq_len, dtype)` runs one forward+backward of the model on the meta device (shapes only:
-no memory, no arithmetic), sees every aten op with its shapes, and sorts the work into a table: FLOPs and bytes per
-op class (matmul, elementwise, reduction, selection) for the primal (forward) and adjoint (backward) pass, with the
-arithmetic intensity of each row. Bytes are the logical operand I/O of the unfused algorithm: every op reads its
-inputs and writes its outputs. They are not measured memory traffic; fusion and caches move fewer bytes. The step
-runs as training runs it: fp32 parameters, with matmuls under autocast to `dtype` (their casts are booked too).
+`cost(model, batch_size, seq_len, dtype, formulas)` runs one forward+backward on the meta device (shapes only: no
+memory, no arithmetic), sees every aten op with its shapes and books its FLOPs and bytes by pass (primal, adjoint) and
+op class (matmul, elementwise, reduction, selection). Bytes are the logical operand I/O of the unfused algorithm, not
+measured traffic. The step runs as training runs it: fp32 parameters, matmuls under autocast to `dtype`. Nothing reads
+config field names, so an edited model.py is measured as written: matmuls count by torch.utils.flop_counter's formulas
+(equal to FlopCounterMode's), SDPA as one fused flash op, a custom op by its formula in the `OpFormulas` handed over
+(model.py's OP_FORMULAS; one without a formula raises, as it would count as zero), an aten op of no class as
+elementwise, listed loudly. docs/flops.md says more.
 
-Nothing reads config field names, so an edited model.py is measured as written:
-- matmul FLOPs come from torch.utils.flop_counter's formulas, so they equal FlopCounterMode's exactly;
-- `F.scaled_dot_product_attention` counts as one fused (flash) op: no T x T scores in memory, and a backward that
-  recomputes the scores, as FlopCounterMode counts it. No causal halving, here or in the MFU convention;
-- a custom op (a Triton kernel) counts through the formula registered beside it in a module-level `COST_FORMULAS`
-  dict of any loaded `ppt.*` module (or torch's `register_flop_formula`); one without a formula raises, since it
-  would otherwise count as zero;
-- an aten op that fits no class is counted as elementwise and listed loudly.
+MFU (`mfu_flops_per_token`) follows nanochat/torchtitan: 6 FLOPs per matmul parameter per token (a tied head once)
+plus three times the forward FLOPs of every activation-by-activation matmul (12*L*H*Q*T per token for SDPA; no causal
+halving). The trace also lists the token mixer calls it sees, from which `ppt/comparison_flops.py` builds the rule runs
+are compared by; `ppt/roofline.py` sets the cost against a device (`python -m scripts.flops` prints it all).
 
-MFU (`mfu_flops_per_token`) follows nanochat/torchtitan: 6 FLOPs per matmul parameter per token (a tied head once),
-plus three times the forward FLOPs of every activation-by-activation matmul (q.k and p.v of attention: 12*L*H*Q*T per
-token for SDPA; a custom mixer's registered FLOPs). Beside this trace: `ppt/comparison_flops.py` (the rule runs are
-compared by, read from the same trace), `ppt/devices.py` (peak rates: the MFU denominator), `ppt/roofline.py`
-(utilization, roofline time, the report); `python -m scripts.flops --config smollm-360m --device h100` prints it all.
-
-Longer than ~400 lines on purpose: the op tables, the dispatch mode that books every op by them, and the routing of
-SDPA into one fused op are one mechanism, read together; apart, each would be half of it.
+Over 400 lines on purpose: the op tables, the dispatch mode that books every op by them and the routing of SDPA into
+one fused op are one mechanism, read together.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -45,6 +37,7 @@ from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ppt.common import PPTError, warn0
+from ppt.formatting import dtype_name, dtype_order, si, text_table
 
 OP_CLASSES = ("matmul", "elementwise", "reduction", "selection")
 PASSES = ("primal", "adjoint")
@@ -109,8 +102,7 @@ def _vector_product_flops(*args: object, **kwargs: object) -> int:
     return 2 * max(t.numel() for t in operands)
 
 
-_MATMUL_EXTRA = {"mv": _vector_product_flops, "addmv": _vector_product_flops, "dot": _vector_product_flops,
-                 "vdot": _vector_product_flops}  # fmt: skip
+_MATMUL_EXTRA = dict.fromkeys(("mv", "addmv", "dot", "vdot"), _vector_product_flops)
 
 _SHADOW_MAX = 4096  # parameter-derived tensors up to this size keep real values during the trace (see _Trace)
 
@@ -152,33 +144,44 @@ def _compute_dtype(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> t
     return (inputs + outputs)[0].dtype
 
 
-def _registered(attribute: str) -> dict[object, Callable[..., object]]:
-    """The module-level dicts named `attribute` of every loaded `ppt.*` module (model.py included), merged."""
-    formulas: dict[object, Callable[..., object]] = {}
-    for name, module in list(sys.modules.items()):
-        if name == "ppt" or name.startswith("ppt."):
-            formulas.update(getattr(module, attribute, None) or {})
-    return formulas
+@dataclass(frozen=True)
+class OpFormulas:
+    """The formulas of a model's custom ops (ppt/model.py's OP_FORMULAS), keyed by op, op packet or "namespace::name";
+    each is called with the op's own arguments, small learned tensors (a per-head window) holding real values.
 
-
-def registered_cost_formulas() -> dict[object, Callable[..., object]]:
-    """Every `COST_FORMULAS` dict of the loaded `ppt.*` modules, merged (kernels register theirs beside the op).
-
-    A formula is called with the op's own arguments and returns {"flops": matmul FLOPs, "bytes": operand bytes}
-    (or FLOPs per class under the keys of OP_CLASSES, or a bare number of matmul FLOPs); keys are ops, op packets
-    or "namespace::name" strings.
+    cost: {"flops": matmul FLOPs, "bytes": operand bytes} (or FLOPs per op class, or a bare number of matmul FLOPs),
+    for MFU and the cost table. pairs: for the comparison rule, one (forward FLOPs per needed pair, reach) per head of
+    one row, reach being how many keys back a query needs at most (math.inf: its whole document prefix).
     """
-    return _registered("COST_FORMULAS")
+
+    cost: Mapping[object, Callable[..., object]] = field(default_factory=dict)
+    pairs: Mapping[object, Callable[..., object]] = field(default_factory=dict)
 
 
-def registered_pair_formulas() -> dict[object, Callable[..., object]]:
-    """Every `PAIR_FORMULAS` dict of the loaded `ppt.*` modules, merged: how the comparison rule counts a token mixer.
+NO_FORMULAS = OpFormulas()  # a model without custom ops needs none
 
-    A formula is called with the op's own arguments (small learned tensors hold their real values) and returns, for
-    one row of the batch, one (forward FLOPs per needed (query, key) pair, reach) per head, where reach is how many
-    keys back a query needs at most (math.inf: its whole document prefix). Keys are as in COST_FORMULAS.
-    """
-    return _registered("PAIR_FORMULAS")
+
+class MixerCall(NamedTuple):
+    """One forward call of a token mixer, as the trace saw it; ppt/comparison_flops.py counts them."""
+
+    op: str  # an aten or custom op, "scaled_dot_product_attention" or "declare_token_mixer"
+    part: str  # the model part it ran in (see _part)
+    flops_per_row: float  # its forward activation-by-activation matmul FLOPs
+    heads: list[tuple[float, float]] | None  # per row, one (FLOPs per needed pair, reach) per head: None if unknown,
+    # reach NaN if only the reach is (SDPA with a mask tensor)
+
+
+def _checked_heads(source: str, heads: object) -> list[tuple[float, float]]:
+    """A token mixer's heads, from a declaration or a pair formula, as floats; a PPTError names what is wrong."""
+    try:
+        checked = [(float(flops_per_pair), float(reach)) for flops_per_pair, reach in heads]
+    except (TypeError, ValueError):
+        checked = []
+    if not checked or any(not (f > 0 and math.isfinite(f)) or not r >= 1 for f, r in checked):
+        raise PPTError(
+            f"{source} takes one (forward FLOPs per needed pair > 0, reach >= 1 or math.inf) per head, got {heads!r}"
+        )
+    return checked
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -189,17 +192,18 @@ class _Trace(TorchDispatchMode):
     """Sees every aten op of one forward+backward and books its FLOPs and bytes by (pass, op class, dtype).
 
     It also tags tensors that depend on the batch (the token ids): a matmul with an operand that does not is a
-    weight matmul (its FLOPs give the N of 6N); one whose operands all do is an activation matmul (attention).
-    Small parameter-derived tensors keep real values beside their meta twins ("shadows"), so a cost formula sees,
-    say, a learned per-head window and counts only in-window pairs.
+    weight matmul (its FLOPs give the N of 6N); one whose operands all do is an activation matmul (attention), and
+    is listed as a token mixer call. Small parameter-derived tensors keep real values beside their meta twins
+    ("shadows"), so a cost formula sees, say, a learned per-head window and counts only in-window pairs.
     """
 
-    def __init__(
-        self, params: list[torch.Tensor], shadows: list[tuple[torch.Tensor, torch.Tensor]], autocast: torch.dtype | None
-    ) -> None:
+    def __init__(self, params: list[torch.Tensor], shadows: list[tuple[torch.Tensor, torch.Tensor]],
+                 autocast: torch.dtype | None, formulas: OpFormulas, rows: int) -> None:  # fmt: skip
         super().__init__()
         self.phase = "primal"
         self.autocast = autocast  # None: no mixed precision, every op runs in its operands' dtype
+        self.formulas = formulas
+        self.rows = rows  # rows of the traced batch: token mixers are described per row
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # storage -> (its tensor, its cast copy)
         self.flops: dict[Row, Counter] = defaultdict(Counter)
         self.bytes: dict[Row, Counter] = defaultdict(Counter)
@@ -209,11 +213,7 @@ class _Trace(TorchDispatchMode):
         self.ops: dict[OpKey, list[float]] = defaultdict(lambda: [0.0, 0.0])  # FLOPs, bytes
         self.op_name = ""  # the op being booked
         self.modules = ModuleTracker()
-        self.formulas = registered_cost_formulas()
-        self.pair_formulas = registered_pair_formulas()
-        self.rows = 1  # rows of the traced batch: token mixers are described per row
-        self.mixers: dict[tuple[str, str], dict] = {}  # (op, model part) -> how the comparison rule counts it
-        self.declared_parts: set[str] = set()  # parts whose mixer declared its pairs (declare_token_mixer)
+        self.mixers: list[MixerCall] = []  # every token mixer call of the forward, in order
         self._params = {id(p): p for p in params}
         self._param_storages = {p.untyped_storage()._cdata for p in params}
         self.params_used: set[int] = set()
@@ -269,48 +269,23 @@ class _Trace(TorchDispatchMode):
             self.mark_batch(*outputs)
             return
         if inputs and all(t in self._shadow for t in inputs) and all(t.numel() <= _SHADOW_MAX for t in outputs):
-            swap = lambda x: self._shadow.get(x, x) if isinstance(x, torch.Tensor) else x
             to_cpu = lambda x: torch.device("cpu") if isinstance(x, torch.device) else x
             try:
-                real = func(*tree_map(swap, args), **tree_map(to_cpu, tree_map(swap, kwargs)))
+                real = func(*self._real(args), **tree_map(to_cpu, self._real(kwargs)))
             except Exception:  # shadows only refine formulas; an op that will not replay just ends them
                 return
             for meta_t, real_t in zip(outputs, _tensors(real)):
                 self._shadow[meta_t] = real_t
 
-    def add_mixer(self, heads: list[tuple[float, float]] | None = None, dense_flops: float = 0.0) -> None:
-        """Book one forward call of a token mixer in the running op's model part, for the comparison rule: per row,
-        one (FLOPs per needed pair, reach) per head, or `dense_flops` (the whole batch's) when its pairs are unknown.
-        """
-        key = (self.op_name, _part(self.modules.parents))
-        tally = self.mixers.setdefault(key, {"calls": 0, "heads": Counter(), "dense_flops": 0.0})
-        tally["calls"] += 1
-        tally["heads"].update(heads or [])
-        tally["dense_flops"] += dense_flops / self.rows
+    def _real(self, tree: object) -> object:
+        """`tree` with every tensor that has a shadow replaced by its shadow: real values where they are known."""
+        return tree_map(lambda x: self._shadow.get(x, x) if isinstance(x, torch.Tensor) else x, tree)
 
-    def declare(self, heads: object) -> None:
-        """declare_token_mixer's booking: the running module part's mixer needs these pairs, and nothing else of
-        that part counts as a mixer."""
-        try:
-            checked = [(float(flops_per_pair), float(reach)) for flops_per_pair, reach in heads]
-        except (TypeError, ValueError):
-            checked = []
-        if not checked or any(not (f > 0 and math.isfinite(f)) or not r >= 1 for f, r in checked):
-            raise PPTError(
-                f"declare_token_mixer takes one (forward FLOPs per needed pair > 0, reach >= 1 or math.inf) per head, "
-                f"got {heads!r}"
-            )
-        self.declared_parts.add(_part(self.modules.parents))
-        self.op_name = "declare_token_mixer"
-        self.add_mixer(heads=checked)
-
-    def counted_mixers(self) -> dict[tuple[str, str], dict]:
-        """The mixers the comparison rule counts: in a part with a declaration, the declaration alone."""
-        return {
-            (op, part): tally
-            for (op, part), tally in self.mixers.items()
-            if op == "declare_token_mixer" or part not in self.declared_parts
-        }
+    def book_mixer(self, flops: float, heads: list[tuple[float, float]] | None = None) -> None:
+        """A token mixer's forward call in the running op's model part: its activation-by-activation matmul FLOPs
+        (whole batch; the MFU attention term) and, where known, its heads as a MixerCall gives them."""
+        self.attention_flops += flops
+        self.mixers.append(MixerCall(self.op_name, _part(self.modules.parents), flops / self.rows, heads))
 
     def _is_weight_matmul(self, inputs: list[torch.Tensor]) -> bool:
         matrices = [t for t in inputs if t.dtype.is_floating_point and t.dim() >= 2]
@@ -342,8 +317,8 @@ class _Trace(TorchDispatchMode):
         if _is_matmul(func):
             formula = flop_registry.get(func.overloadpacket) or _MATMUL_EXTRA[name]
             flops = formula(*args, **kwargs, out_val=out)
-            if self._book_matmul(flops, inputs) and flops:  # activation by activation: q.k, p.v of an einsum
-                self.add_mixer(dense_flops=flops)
+            if self._mixes(flops, inputs):  # activation by activation: q.k, p.v of an einsum
+                self.book_mixer(flops)
             self.record("matmul", flops, dtype, operands)
         elif name in _SELECTION:
             self.record("selection", self._accumulated(name, args, kwargs), dtype, operands)
@@ -361,15 +336,14 @@ class _Trace(TorchDispatchMode):
             self.unclassified[str(func.overloadpacket)] += 1
             self.record("elementwise", sum(t.numel() for t in outputs), dtype, operands)
 
-    def _book_matmul(self, flops: float, inputs: list[torch.Tensor]) -> bool:
-        """Book forward matmul FLOPs as weight or attention work; True for a forward activation-by-activation one."""
+    def _mixes(self, flops: float, inputs: list[torch.Tensor]) -> bool:
+        """Whether forward matmul FLOPs mix tokens (activation by activation); weight FLOPs are booked here."""
         if self.phase != "primal":
             return False
         if self._is_weight_matmul(inputs):
             self.weight_flops += flops
             return False
-        self.attention_flops += flops
-        return True
+        return bool(flops)
 
     @staticmethod
     def _accumulated(name: str, args: tuple, kwargs: dict) -> int:
@@ -384,26 +358,23 @@ class _Trace(TorchDispatchMode):
 
     def _book_custom(self, func, args, kwargs, out, inputs, outputs) -> None:  # noqa: ANN001
         dtype = _compute_dtype(inputs, outputs)
-        swap = lambda x: self._shadow.get(x, x) if isinstance(x, torch.Tensor) else x
-        formula = _lookup(self.formulas, func)
-        if formula is not None:
-            result = formula(*tree_map(swap, args), **tree_map(swap, kwargs))
+        result = self._apply(self.formulas.cost, func, args, kwargs)
+        if result is not None:
             flops, total_bytes = _parse_formula_result(func, result)
         elif func.overloadpacket in flop_registry:
             flops, total_bytes = {"matmul": flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)}, None
         else:
             raise PPTError(
-                f"custom op {func.name()} has no cost formula, so its work would count as zero. Register one beside "
-                "the kernel: a module-level COST_FORMULAS = {op: fn} in its ppt.* module, where fn(*op_args) returns "
-                "{'flops': ..., 'bytes': ...}; or use torch.utils.flop_counter.register_flop_formula"
+                f"custom op {func.name()} has no cost formula, so its work would count as zero: add "
+                f"`torch.ops.{func.namespace}.{func._opname}: its_cost` to the cost formulas of OP_FORMULAS in "
+                "ppt/model.py, its_cost(*op_args) returning {'flops': ..., 'bytes': ...} (docs/flops.md)"
             )
-        activation_matmul = self._book_matmul(flops.get("matmul", 0), inputs)
-        pairs = _lookup(self.pair_formulas, func)
-        if pairs is not None and self.phase == "primal":
-            heads = pairs(*tree_map(swap, args), **tree_map(swap, kwargs))
-            self.add_mixer(heads=[(float(flops_per_pair), float(reach)) for flops_per_pair, reach in heads])
-        elif activation_matmul and flops.get("matmul"):
-            self.add_mixer(dense_flops=flops["matmul"])
+        matmul = flops.get("matmul", 0)
+        mixes = self._mixes(matmul, inputs)
+        heads = self._apply(self.formulas.pairs, func, args, kwargs) if self.phase == "primal" else None
+        if mixes or heads is not None:
+            checked = None if heads is None else _checked_heads(f"the pair formula of {func.name()}", heads)
+            self.book_mixer(matmul if mixes else 0.0, checked)
         main_class = max(flops, key=flops.get)  # operand bytes go with the class that does most of the work
         for op_class, n in flops.items():
             if op_class == main_class:
@@ -411,10 +382,11 @@ class _Trace(TorchDispatchMode):
             else:
                 self.record(op_class, n, dtype, [])
 
-
-def _lookup(formulas: dict[object, Callable[..., object]], func: torch._ops.OpOverload) -> Callable[..., object] | None:
-    """A formula registered under the op, its packet, or its "namespace::name" string."""
-    return formulas.get(func) or formulas.get(func.overloadpacket) or formulas.get(func.name())
+    def _apply(self, formulas: Mapping[object, Callable[..., object]], func, args, kwargs) -> object:  # noqa: ANN001
+        """What the formula for a custom op (under the op, its packet or its "namespace::name") gives for this call,
+        with real values where known; None where there is no formula."""
+        formula = formulas.get(func) or formulas.get(func.overloadpacket) or formulas.get(func.name())
+        return None if formula is None else formula(*self._real(args), **self._real(kwargs))
 
 
 def _parse_formula_result(func: object, result: object) -> tuple[dict[str, float], float | None]:
@@ -452,13 +424,12 @@ class _FusedAttention(torch.autograd.Function):
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # the row log-sum-exp flash saves for its backward
         flops = sdpa_flop_count(*_gqa_shapes(q.shape, k.shape, v.shape))
         operands = [t for t in (q, k, v, mask) if t is not None]
-        trace.attention_flops += flops
         trace.op_name = "scaled_dot_product_attention"
-        if is_causal and mask is None:  # every query head: its own q.k and p.v over the causal prefix
-            b, h, _, d = _as_bhtd(q.shape)
-            trace.add_mixer(heads=[(2.0 * (d + v.shape[-1]), math.inf)] * (b * h // trace.rows))
-        else:  # a mask tensor cannot be read on meta: which pairs it keeps is unknown
-            trace.add_mixer(dense_flops=flops)
+        # every query head does its own q.k and p.v, over the causal prefix or over the pairs a mask tensor keeps,
+        # which cannot be read on meta (reach NaN: unknown)
+        b, h, _, d = _as_bhtd(q.shape)
+        reach = math.inf if is_causal and mask is None else math.nan
+        trace.book_mixer(flops, [(2.0 * (d + v.shape[-1]), reach)] * (b * h // trace.rows))
         trace.record("matmul", flops, q.dtype, operands + [out, lse])
         ctx.trace, ctx.has_mask = trace, mask is not None
         ctx.save_for_backward(q, k, v, out, lse, *operands[3:])
@@ -478,7 +449,9 @@ class _FusedAttention(torch.autograd.Function):
         return None, *grads, mask_grad, None
 
 
-class _RouteAttention(TorchFunctionMode):
+class _RouteMixers(TorchFunctionMode):
+    """SDPA into one fused op, and declare_token_mixer's calls into the trace's list of mixers."""
+
     def __init__(self, trace: _Trace) -> None:
         super().__init__()
         self.trace = trace
@@ -487,6 +460,9 @@ class _RouteAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return _sdpa(self.trace, *args, **kwargs)
+        if func is declare_token_mixer:
+            self.trace.op_name = "declare_token_mixer"
+            return self.trace.book_mixer(0.0, _checked_heads("declare_token_mixer", *args, **kwargs))
         return func(*args, **kwargs)
 
 
@@ -598,25 +574,23 @@ def _meta_twin(t: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
 
 
-_ACTIVE_TRACE: _Trace | None = None  # the trace traced_step is running, for declare_token_mixer
-
-
 def declare_token_mixer(heads: list[tuple[float, float]]) -> None:
     """For the comparison-FLOPs rule: the pairs the token mixer calling this needs, per row of the batch, one
-    (forward FLOPs per needed pair, reach) per head, as a PAIR_FORMULAS entry gives them. A query at document
-    position p needs min(reach, p + 1) pairs of a head: reach math.inf for causal attention over the whole prefix, the
-    window for a windowed mixer, 1 for a mixer whose cost per query does not grow with its prefix (linear attention,
-    a recurrence, a state-space scan; the pair's FLOPs are then its forward FLOPs per token and head).
+    (forward FLOPs per needed pair, reach) per head, as a pair formula gives them. A query at document position p needs
+    min(reach, p + 1) pairs of a head: reach math.inf for causal attention over the whole prefix, the window for a
+    windowed mixer, 1 for a mixer whose cost per query does not grow with its prefix (linear attention, a recurrence,
+    a state-space scan; the pair's FLOPs are then its forward FLOPs per token and head).
 
     Call it in the mixer module's forward, once a call. Whatever else that module part does is then not counted as a
-    mixer (its matmuls between activations still count for MFU). Outside ppt.flops's trace it only reads a global,
-    so it costs nothing in training and stays inside a torch.compile graph. docs/flops.md has an example.
+    mixer (its matmuls between activations still count for MFU). Only the trace's torch function mode books the call:
+    in training it does nothing, and torch.compile folds it away (no graph break). docs/flops.md has an example.
     """
-    if _ACTIVE_TRACE is not None:
-        _ACTIVE_TRACE.declare(heads)
+    if torch._C._is_torch_function_mode_enabled():
+        handle_torch_function(declare_token_mixer, (), heads)
 
 
-def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, backward: bool) -> _Trace:
+def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, backward: bool,
+                formulas: OpFormulas) -> _Trace:  # fmt: skip
     """Run `model` on meta twins of its tensors under a _Trace: the forward, and the backward when asked."""
     if batch_size < 1 or seq_len < 1:
         raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
@@ -628,14 +602,11 @@ def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dt
         if t.device.type != "meta" and t.numel() <= _SHADOW_MAX
     ]
     params = [twins[name] for name, _ in model.named_parameters()]
-    trace = _Trace(params, shadows, autocast=dtype if dtype.itemsize < 4 else None)
-    trace.rows = batch_size
+    trace = _Trace(params, shadows, dtype if dtype.itemsize < 4 else None, formulas, rows=batch_size)
     idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     targets = torch.zeros_like(idx)
     trace.mark_batch(idx, targets)
-    global _ACTIVE_TRACE
-    outer, _ACTIVE_TRACE = _ACTIVE_TRACE, trace
-    with torch.enable_grad(), trace.modules, _RouteAttention(trace), trace:
+    with torch.enable_grad(), trace.modules, _RouteMixers(trace), trace:
         try:
             loss = torch.func.functional_call(model, twins, (idx,), {"targets": targets})
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -651,23 +622,22 @@ def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dt
                 "runs the model on meta tensors, so keep forward free of value-dependent code (.item(), "
                 "data-dependent shapes)"
             ) from exc
-        finally:
-            _ACTIVE_TRACE = outer
     return trace
 
 
-def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> Cost:
+def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16,
+         formulas: OpFormulas = NO_FORMULAS) -> Cost:  # fmt: skip
     """Trace one training step of `model` (loss = model(idx, targets); loss.backward()) on the meta device.
 
     The model itself is not touched: for the trace its parameters and buffers are replaced by meta tensors of
     the same shapes and dtypes. The step runs as training runs it, under autocast to a 16-bit `dtype` (fp32 and
-    fp64 mean no autocast): matmuls and SDPA
-    cast their operands to `dtype` (each tensor once, booked as a copy); other ops run in whatever dtype reaches
-    them (autocast's fp32 list is not emulated). Small learned tensors (up to 4096 elements, e.g. per-head
-    windows) keep their values when the model has any, for the cost formulas of custom ops.
+    fp64 mean no autocast): matmuls and SDPA cast their operands to `dtype` (each tensor once, booked as a copy);
+    other ops run in whatever dtype reaches them (autocast's fp32 list is not emulated). `formulas` count the
+    model's custom ops; small learned tensors (up to 4096 elements, e.g. per-head windows) reach them with their
+    values when the model has any.
     """
     model = unwrap_model(model)
-    trace = traced_step(model, batch_size, seq_len, dtype, backward=True)
+    trace = traced_step(model, batch_size, seq_len, dtype, backward=True, formulas=formulas)
     if trace.unclassified:
         warn0(f"ppt.flops: counted ops without a class as elementwise: {', '.join(sorted(trace.unclassified))}")
     tokens = batch_size * seq_len
@@ -685,13 +655,13 @@ def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = t
     )
 
 
-def mfu_flops_per_token(model: nn.Module, seq_len: int) -> dict[str, float]:
+def mfu_flops_per_token(model: nn.Module, seq_len: int, formulas: OpFormulas = NO_FORMULAS) -> dict[str, float]:
     """Training FLOPs per token for MFU, traced once (call at start-up, not every step).
 
     Returns {"mfu": the convention figure (6N + attention), "6n": 6N alone, "attention": the attention term,
     "params_matmul": N, "per_token": FLOPs and bytes per token by pass and op class}.
     """
-    step = cost(model, batch_size=1, seq_len=seq_len)
+    step = cost(model, batch_size=1, seq_len=seq_len, formulas=formulas)
     return {
         "mfu": step.flops_per_token,
         "6n": step.flops_per_token_6n,
@@ -699,42 +669,3 @@ def mfu_flops_per_token(model: nn.Module, seq_len: int) -> dict[str, float]:
         "params_matmul": step.params_matmul,
         "per_token": step.summary(),
     }
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Formatting: the tables of this module, ppt/devices.py and ppt/roofline.py
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-                torch.float8_e4m3fn: "fp8e4m3", torch.float8_e5m2: "fp8e5m2"}  # fmt: skip
-
-
-def dtype_order(dtype: torch.dtype) -> tuple[int, str]:
-    """Table columns: the low-precision compute dtypes first, then fp32, then integers and the rest."""
-    order = list(_DTYPE_NAMES)
-    return (order.index(dtype) if dtype in order else len(order), str(dtype))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def si(x: float) -> str:
-    """4 significant digits with an SI suffix (532.4M); '-' for zero."""
-    if not x:
-        return "-"
-    for power, suffix in ((18, "E"), (15, "P"), (12, "T"), (9, "G"), (6, "M"), (3, "K")):
-        if abs(x) >= 10**power:
-            return f"{x / 10**power:.4g}{suffix}"
-    return f"{x:.4g}"
-
-
-def text_table(header: list[list[str]], body: list[tuple[str, list[str]]]) -> str:
-    label_width = max(len(label) for label, _ in body)
-    columns = list(zip(*header, *(cells for _, cells in body)))
-    widths = [max(len(s) for s in column) for column in columns]
-    lines = [" " * label_width + "".join(f"  {s:>{w}}" for s, w in zip(row, widths)) for row in header]
-    lines += [
-        f"{label:<{label_width}}" + "".join(f"  {s:>{w}}" for s, w in zip(cells, widths)) for label, cells in body
-    ]
-    return "\n".join(lines)

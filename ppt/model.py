@@ -19,6 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ppt.common import PPTError
+from ppt.flops import OpFormulas
+from ppt.kernels import cross_entropy as cross_entropy_op
+from ppt.kernels import gated_output as gated_output_op
+from ppt.kernels import screening as screening_op
 from ppt.kernels.attention import attention, document_mask
 from ppt.kernels.cross_entropy import linear_cross_entropy
 from ppt.kernels.gated_output import gated_output
@@ -421,6 +425,12 @@ CONFIGS: dict[str, LlamaConfig | MultiscreenConfig] = {
     "multiscreen-tiny": MultiscreenConfig(psi=6, vocab_size=4096, max_seq_len=256),
 }
 DEFAULT_CONFIG = "smollm-360m"
+# The formulas of the custom ops this file calls, handed to the FLOPs trace: cost for MFU and the cost table, pairs for
+# the comparison rule (docs/flops.md). A custom op missing from cost stops the trace with the line to add here.
+OP_FORMULAS = OpFormulas(
+    cost=cross_entropy_op.COST_FORMULAS | gated_output_op.COST_FORMULAS | screening_op.COST_FORMULAS,
+    pairs=screening_op.PAIR_FORMULAS,
+)
 
 
 def depth_config(depth: int) -> LlamaConfig:

@@ -1,10 +1,11 @@
 """Find a run's checkpoint, rebuild its model from ppt/model.py, and load the tokenizer it was trained with.
 
 Shared by base_eval, lm_eval, export_hf and bench.check_hf_import. Fixed code never imports ppt/model.py: the entry
-point hands over what the loader needs from it as a `ModelFile` (`ModelFile.of(ppt.model)`): CONFIGS, build_model
-and the optional config_from_hf. A checkpoint stores `config = {"class": <config class>, **fields}`; the class must
-be the class of some config in CONFIGS and the weights must fit the model it builds, else the checkpoint is of
-another architecture and loading stops with a message saying so.
+point hands over what it needs from it as a `ModelFile` (`ModelFile.of(ppt.model)`): CONFIGS, build_model, the
+optional config_from_hf and OP_FORMULAS (how the FLOPs trace counts custom ops). A checkpoint stores
+`config = {"class": <config class>, **fields}`; the class must be the class of some config in CONFIGS and the weights
+must fit the model it builds, else the checkpoint is of another architecture and loading stops with a message saying
+so.
 
 A Hugging Face model folder (config.json + safetensors, what `save_pretrained` writes) loads as a run too
 (`load_run(hf_dir=..., model_file=...)`): the model file's `config_from_hf` turns its config.json into a ppt config
@@ -28,6 +29,7 @@ from torch import nn
 
 from ppt import checkpoint as ckpt
 from ppt.common import PPTError, cache_dir, few
+from ppt.flops import NO_FORMULAS, OpFormulas
 from ppt.run import RunRecord
 from ppt.shards import default_data_dir, load_data_tokenizer
 from ppt.tokenizer import Tokenizer, load_tokenizer
@@ -35,16 +37,18 @@ from ppt.tokenizer import Tokenizer, load_tokenizer
 
 @dataclass(frozen=True)
 class ModelFile:
-    """What the loader uses of ppt/model.py (SPEC.md, the model contract), handed over by an entry point."""
+    """What fixed code uses of ppt/model.py (SPEC.md, the model contract), handed over by an entry point."""
 
     configs: Mapping[str, Any]  # CONFIGS: a checkpoint's config class must be the class of one of them
     build_model: Callable[[Any], nn.Module]
     config_from_hf: Callable[[dict[str, Any]], Any] | None = None  # optional: Hugging Face import
+    op_formulas: OpFormulas = NO_FORMULAS  # optional (OP_FORMULAS): none where the model calls no custom op
 
     @classmethod
     def of(cls, module: ModuleType) -> ModelFile:
         """The model file's parts, read from the module: `ModelFile.of(ppt.model)`."""
-        return cls(module.CONFIGS, module.build_model, getattr(module, "config_from_hf", None))
+        optional = getattr(module, "config_from_hf", None), getattr(module, "OP_FORMULAS", NO_FORMULAS)
+        return cls(module.CONFIGS, module.build_model, *optional)
 
     def config_from_dict(self, saved: dict[str, Any]) -> Any:
         """The config dataclass a checkpoint names, rebuilt with its saved fields."""

@@ -11,7 +11,8 @@ import torch
 
 from ppt.common import PPTError
 from ppt.devices import Device, find_device, known_device, known_peak
-from ppt.flops import Cost, OpKey, Row, dtype_name, dtype_order, si, text_table
+from ppt.flops import OP_CLASSES, Cost, OpKey, Row
+from ppt.formatting import dtype_name, dtype_order, si, text_table
 
 
 @dataclass
@@ -94,6 +95,12 @@ def _roofline_table(step: Cost, seconds: dict[OpKey, tuple[float, float]], group
     return text_table([["flops", "bytes", "intensity", "ms", "share", "memory-bound"]], body)
 
 
+def _peaks_table(device: Device, dtype: torch.dtype) -> str:
+    body = [(c, [si(device.peak(c, dtype) or 0), si(device.bandwidth), si(device.knee(c, dtype) or 0)])
+            for c in OP_CLASSES]  # fmt: skip
+    return text_table([["flops", "bytes", "intensity"], [dtype_name(dtype), "/s", "knee"]], body)
+
+
 def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype,
            duration_sec: float | None = None) -> str:  # fmt: skip
     """The CLI's text: the cost table, FLOPs per token, the device table, utilization and roofline time."""
@@ -109,7 +116,7 @@ def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype,
         lines += ["", f"device {device}: peak rates unknown, no roofline"]
         return "\n".join(lines)
     name = dtype_name(dtype).upper()
-    lines += ["", f"{found.name} peaks ({name}):", found.table(dtype), ""]
+    lines += ["", f"{found.name} peaks ({name}):", _peaks_table(found, dtype), ""]
     knee, matmul_intensity = found.knee("matmul", dtype), step.intensity(("primal", "matmul"), dtype)
     if knee and matmul_intensity:
         lines.append(

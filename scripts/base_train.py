@@ -60,9 +60,10 @@ from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader
 from ppt.devices import peak_flops
 from ppt.flops import mfu_flops_per_token
+from ppt.formatting import duration
 from ppt.locks import hold_lock, lock_directory, release_locks
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
-from ppt.model import CONFIGS, DEFAULT_CONFIG, build_model, get_config
+from ppt.model import CONFIGS, DEFAULT_CONFIG, OP_FORMULAS, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.run import Evaluation, RunRecord, TrainSettings, plot_losses
@@ -451,7 +452,7 @@ class Trainer:
     def plan(self) -> None:
         args, rt, state = self.args, self.rt, self.state
         try:  # the MFU convention: a throughput figure, read from the (resumed) model
-            self.mfu_flops, untraced = mfu_flops_per_token(self.model, self.seq_len), None
+            self.mfu_flops, untraced = mfu_flops_per_token(self.model, self.seq_len, OP_FORMULAS), None
         except PPTError as exc:  # a forward that does not run on meta trains all the same, without MFU
             self.mfu_flops, untraced = None, str(exc)
         self.peak = peak_flops(rt.device, rt.dtype)
@@ -459,7 +460,7 @@ class Trainer:
             self.rule = ComparisonFlops.from_state_dict(state["comparison"]["rule"])
             self.rule_step, self.comparison_flops = state["comparison"]["rule_step"], state["comparison"]["flops"]
         else:
-            self.rule, self.rule_step, self.comparison_flops = comparison_flops_rule(self.model, self.seq_len), 0, 0
+            self.rule, self.rule_step, self.comparison_flops = self.trace_rule(), 0, 0
         warnings = [rule_warning] if (rule_warning := self.rule.warning()) else []
         if untraced:  # one line when the rule's warning already says why the trace failed
             warnings = [f"{warnings[0]}; no MFU either"] if self.rule.untraced else [f"no MFU: {untraced}", *warnings]
@@ -596,6 +597,10 @@ class Trainer:
         derived |= {"seq_len": s.seq_len, "total_batch_tokens": s.total_batch_tokens, "warmup_tokens": s.warmup_tokens}
         return flags | derived | ({} if self.args.target_flops else {"target_tokens": s.target_tokens})
 
+    def trace_rule(self) -> ComparisonFlops:
+        """The comparison-FLOPs rule, traced from the model as it is now (learned windows move)."""
+        return comparison_flops_rule(self.model, self.seq_len, OP_FORMULAS)
+
     def wall_time(self) -> float:
         """Seconds this run has trained: this process's, plus those of earlier ones up to the resumed checkpoint."""
         return self.state.get("wall_time_s", 0.0) + time.perf_counter() - self.started
@@ -614,7 +619,7 @@ class Trainer:
                 self.stopping = self.stop_signal[0]
                 break
             if self.step % RULE_RETRACE_STEPS == 0 and self.step != self.rule_step:  # learned windows move
-                self.rule, self.rule_step = comparison_flops_rule(self.model, self.seq_len), self.step
+                self.rule, self.rule_step = self.trace_rule(), self.step
                 self.last_sync = time.perf_counter()  # the trace's time is not the step's
             set_lr(self.optimizer, lr_multiplier(self.step, s.steps, s.warmup_steps, s.schedule, s.decay_frac))
             loss, norm, finite, counts, data_time = self.forward_backward()
@@ -927,18 +932,6 @@ def memory_gb(device: torch.device) -> tuple[str, float]:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return "max_rss_gb", peak * (1 if sys.platform == "darwin" else 1024) / 1e9
-
-
-def duration(seconds: float) -> str:
-    """42s, 5m08s, 7h58m, 2d03h."""
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
 def for_wandb(entry: dict[str, Any]) -> dict[str, Any]:

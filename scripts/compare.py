@@ -34,6 +34,7 @@ from typing import Any
 
 from ppt.common import ArgumentParser, PPTError, cache_dir, print0, run_cli
 from ppt.comparison_flops import ComparisonFlops
+from ppt.formatting import duration, si
 from ppt.run import RunRecord, TrainSettings
 
 # What must be equal for numbers to be comparable: (column name, how to read it from a record)
@@ -249,18 +250,6 @@ def paired_interval(a: dict[Any, float], b: dict[Any, float], confidence: float 
 # ---- the table ----------------------------------------------------------------------------------------------------
 
 
-def _si(x: float, units: tuple[str, ...] = ("", "K", "M", "B", "T")) -> str:
-    for power in range(len(units) - 1, 0, -1):
-        if abs(x) >= 1000**power:
-            return f"{x / 1000**power:.4g}{units[power]}"
-    return f"{x:.4g}"
-
-
-def _duration(seconds: float) -> str:
-    minutes = seconds / 60
-    return f"{seconds:.0f} s" if seconds < 60 else f"{minutes:.1f} min" if minutes < 60 else f"{minutes / 60:.2f} h"
-
-
 def _bpb(values: list[float], regimes: dict[str, float]) -> str:
     text = f"{values[0]:.4f} (n=1)" if len(values) == 1 else (
         f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} (n={len(values)})")  # fmt: skip
@@ -349,14 +338,14 @@ def table(
         cells = [
             setting.label,
             str(len(setting.runs)),
-            _si(statistics.fmean(r.params for r in setting.runs)),
-            _si(statistics.fmean(setting.final("tokens"))),
+            si(statistics.fmean(r.params for r in setting.runs)),
+            si(statistics.fmean(setting.final("tokens"))),
             f"{flops:.4g}" + " *" * bool(reasons),
             _bpb(setting.final("val_bpb"), regimes),
             _difference(setting, baseline),
             _paired(setting, baseline),
-            _duration(statistics.fmean(setting.final("wall_time_s"))),
-            _si(statistics.fmean(speeds)) if speeds else "-",
+            duration(statistics.fmean(setting.final("wall_time_s"))),
+            si(statistics.fmean(speeds)) if speeds else "-",
         ]
         cells += [", ".join(sorted({_cell(name, MUST_MATCH[name](r)) for r in setting.runs})) for name in differing]
         for label in benchmarks:

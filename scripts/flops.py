@@ -15,8 +15,9 @@ import torch
 from ppt.common import ArgumentParser, PPTError, positive_float, positive_int, run_cli
 from ppt.comparison_flops import comparison_flops_rule
 from ppt.devices import DEVICES
-from ppt.flops import cost, si
-from ppt.model import build_model, get_config
+from ppt.flops import cost
+from ppt.formatting import si
+from ppt.model import OP_FORMULAS, build_model, get_config
 from ppt.roofline import report
 
 
@@ -40,15 +41,17 @@ def main(argv: list[str] | None = None) -> None:
         model.init_weights()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     seq_len = args.seq_len or config.max_seq_len
-    step = cost(model, args.batch_size, seq_len, dtype)
+    step = cost(model, args.batch_size, seq_len, dtype, OP_FORMULAS)
     print(report(step, args.device, dtype, args.duration_sec))
-    rule = comparison_flops_rule(model, seq_len)
+    rule = comparison_flops_rule(model, seq_len, OP_FORMULAS)
     if rule.untraced:
         raise PPTError(rule.warning())
+    pairs_only = rule.mixers and not rule.dense  # else the warning below says what was not counted by pairs
+    counted = "over the pairs they need" if pairs_only else "NOT all over the pairs they need"
     print(
         f"\nFLOPs/token, comparison rule (one document per row): {si(rule.per_token())} = 6N "
-        f"{si(6 * rule.params_matmul)} + mixers {si(rule.per_token() - 6 * rule.params_matmul)} over the pairs "
-        "they need (the MFU convention counts SDPA over all T x T pairs)"
+        f"{si(6 * rule.params_matmul)} + mixers {si(rule.per_token() - 6 * rule.params_matmul)} {counted} (the MFU "
+        "convention counts SDPA over all T x T pairs)"
     )
     if warning := rule.warning():
         print(f"warning: {warning}")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +15,8 @@ import torch.nn.functional as F
 
 from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader
-from ppt.flops import declare_token_mixer
-from ppt.model import build_model, get_config
+from ppt.flops import OpFormulas, declare_token_mixer
+from ppt.model import OP_FORMULAS, build_model, get_config
 from scripts import base_train
 
 
@@ -65,7 +63,7 @@ def test_vanilla_decoder_counts_causal_in_document_pairs_at_every_query_head():
     model = initialized("tiny")
     cfg = model.config
     doc_pos = random_doc_pos(3, 40, seed=1)
-    rule = comparison_flops_rule(model, 40)
+    rule = comparison_flops_rule(model, 40, OP_FORMULAS)
     heads = [(2 * (cfg.head_dim + cfg.head_dim), math.inf)] * (cfg.n_layer * cfg.n_head)  # GQA: every query head
     counts = np.bincount(doc_pos.ravel(), minlength=40)
     assert rule.params_matmul == matmul_params(model)
@@ -83,14 +81,14 @@ def test_multiscreen_counts_in_window_in_document_pairs_at_the_windows_current_v
     windows = lambda: [w for block in model.blocks for w in block.window().tolist()]  # noqa: E731
     heads = lambda: [(2 * (cfg.d_key + cfg.d_value), w) for w in windows()]  # noqa: E731
     assert len(set(windows())) > 1 and min(windows()) < 48 < max(windows())  # windows inside and beyond the row
-    rule = comparison_flops_rule(model, 48)
+    rule = comparison_flops_rule(model, 48, OP_FORMULAS)
     assert rule.params_matmul == matmul_params(model)
     assert rule.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
 
     with torch.no_grad():  # training moves the windows: a new trace counts them where they are now
         for block in model.blocks:
             block.s_w.add_(torch.linspace(-0.5, 1.5, cfg.n_head))
-    moved = comparison_flops_rule(model, 48)
+    moved = comparison_flops_rule(model, 48, OP_FORMULAS)
     assert moved.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
     assert moved.step_flops(counts) != rule.step_flops(counts)
     assert ComparisonFlops.from_state_dict(json.loads(json.dumps(moved.state_dict()))) == moved  # checkpoints
@@ -117,7 +115,7 @@ def test_a_mixer_without_a_pair_formula_counts_densely_and_says_so():
     [mixer] = rule.dense
     assert (mixer["op"], mixer["calls"], mixer["dense_flops_per_row"]) == ("bmm", 2, 2 * (2 * 8 * 8 * 16))  # q.k, p.v
     assert rule.per_token() == 6 * (16 * 48 + 64 * 16) + 3 * 2 * (2 * 8 * 8 * 16) / 8
-    assert "bmm" in rule.warning() and "PAIR_FORMULAS" in rule.warning()
+    assert "bmm in (top level): ppt.flops.declare_token_mixer([(2 * (d_qk + d_v), reach)] * n_heads)" in rule.warning()
 
 
 class LinearAttentionLM(nn.Module):
@@ -210,31 +208,45 @@ class WindowMixLM(nn.Module):
         return F.cross_entropy(F.linear(x, self.embed.weight).flatten(0, 1), targets.flatten())
 
 
-def test_a_new_mixer_counts_through_a_pair_formula_registered_beside_it(monkeypatch):
-    module = types.ModuleType("ppt.kernels._test_window_mix")  # any loaded ppt.* module, model.py included
-    module.COST_FORMULAS = {torch.ops.ppt_test.window_mix: lambda x, window: {"flops": 0, "bytes": 0}}
-    module.PAIR_FORMULAS = {
-        torch.ops.ppt_test.window_mix: lambda x, window: [(10, math.ceil(w)) for w in window.tolist()]
-    }
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    rule = comparison_flops_rule(WindowMixLM(), 8)
+def test_a_new_mixer_counts_through_the_pair_formula_handed_to_the_rule():
+    formulas = OpFormulas(
+        cost={torch.ops.ppt_test.window_mix: lambda x, window: {"flops": 0, "bytes": 0}},
+        pairs={torch.ops.ppt_test.window_mix: lambda x, window: [(10, math.ceil(w)) for w in window.tolist()]},
+    )
+    rule = comparison_flops_rule(WindowMixLM(), 8, formulas)
     doc_pos = np.array([[0, 1, 2, 3, 0, 1, 2, 3]])
     counts = np.bincount(doc_pos.ravel(), minlength=8)
     assert rule.step_flops(counts) == brute_force(doc_pos, 64 * 16, [(10, 3), (10, 4)])
     assert rule.warning() is None
 
 
-def test_sdpa_with_an_explicit_mask_counts_densely():
-    class MaskedLM(EinsumAttentionLM):
-        def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
-            q, k, v = self.qkv(self.embed(idx)).unsqueeze(1).chunk(3, dim=-1)
-            T = idx.shape[1]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(T, T, device=idx.device).tril().bool())
-            return F.cross_entropy(F.linear(y.squeeze(1), self.embed.weight).flatten(0, 1), targets.flatten())
+class SlidingWindowLM(EinsumAttentionLM):
+    """Sliding-window attention through SDPA with a mask tensor, which the trace cannot read: 3 keys per query."""
 
-    rule = comparison_flops_rule(MaskedLM(), 8)
-    assert rule.dense[0]["op"] == "scaled_dot_product_attention"
-    assert rule.dense[0]["dense_flops_per_row"] == 2 * 8 * 8 * (16 + 16)
+    def __init__(self, declare: bool) -> None:
+        super().__init__()
+        self.declare = declare
+
+    def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
+        if self.declare:
+            declare_token_mixer([(2 * (16 + 16), 3)])  # one head, its window
+        q, k, v = self.qkv(self.embed(idx)).unsqueeze(1).chunk(3, dim=-1)
+        T = idx.shape[1]
+        window = torch.ones(T, T, device=idx.device).tril().triu(-2).bool()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=window)
+        return F.cross_entropy(F.linear(y.squeeze(1), self.embed.weight).flatten(0, 1), targets.flatten())
+
+
+def test_sdpa_with_a_mask_counts_densely_until_its_pairs_are_declared_with_the_line_it_names():
+    rule = comparison_flops_rule(SlidingWindowLM(declare=False), 8)
+    [mixer] = rule.dense
+    assert mixer["op"] == "scaled_dot_product_attention" and mixer["dense_flops_per_row"] == 2 * 8 * 8 * (16 + 16)
+    line = "scaled_dot_product_attention in (top level): ppt.flops.declare_token_mixer([(64, reach)] * 1)"
+    assert line in rule.warning()  # the numbers the trace knows: 2 (d_qk + d_v) and the heads
+    declared = comparison_flops_rule(SlidingWindowLM(declare=True), 8)
+    doc_pos = np.array([[0, 1, 2, 3, 4, 5, 6, 7]])
+    assert declared.dense == [] and declared.warning() is None
+    assert declared.step_flops(np.ones(8, dtype=np.int64)) == brute_force(doc_pos, 16 * 48 + 64 * 16, [(64, 3)])
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,6 @@
 """The analytic cost model: counts against closed forms and FlopCounterMode, formulas of custom ops, roofline math."""
 
 import math
-import sys
-import types
 
 import pytest
 import torch
@@ -12,8 +10,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ppt.common import PPTError
 from ppt.devices import DEVICES, find_device, peak_flops
-from ppt.flops import Cost, cost, mfu_flops_per_token
-from ppt.model import build_model, get_config
+from ppt.flops import Cost, OpFormulas, cost, mfu_flops_per_token
+from ppt.formatting import duration, si
+from ppt.model import OP_FORMULAS, build_model, get_config
 from ppt.roofline import utilization
 from scripts.flops import main
 
@@ -60,7 +59,7 @@ def test_smollm_360m_params_and_flops_per_token_match_the_closed_form():
     L, H, Q, T, d, V = 32, 15, 64, 2048, 960, 49152
     roles = model.param_roles()
     non_embedding = sum(p.numel() for name, p in model.named_parameters() if roles[name] != "embedding")
-    per_token = mfu_flops_per_token(model, T)
+    per_token = mfu_flops_per_token(model, T, OP_FORMULAS)
 
     matmul_params = L * (2 * d * d + 2 * d * (5 * Q) + 3 * d * 2560) + V * d  # q, o, k, v, MLP; the tied head once
     assert non_embedding == pytest.approx(314.6e6, rel=1e-3)
@@ -82,7 +81,7 @@ def test_matmul_flops_equal_flop_counter_mode_on_a_real_forward_backward():
         model(idx, idx).backward()
     model.zero_grad(set_to_none=True)
 
-    step = cost(model, batch_size=2, seq_len=64)
+    step = cost(model, batch_size=2, seq_len=64, formulas=OP_FORMULAS)
     assert matmul_flops(step) == counter.get_total_flops()
     assert all(p.grad is None and p.device.type == "cpu" for p in model.parameters())  # the model is untouched
     assert step.params == step.params_active == sum(p.numel() for p in model.parameters())
@@ -156,28 +155,27 @@ class CustomOpLM(nn.Module):
         return F.cross_entropy(F.linear(x, self.embed.weight).flatten(0, 1), targets.flatten())
 
 
-def test_custom_op_without_a_cost_formula_fails_loudly():
-    with pytest.raises(PPTError, match="ppt_test::mystery_mix has no cost formula"):
+def test_custom_op_without_a_cost_formula_fails_with_the_line_to_add():
+    line = "add `torch.ops.ppt_test.mystery_mix: its_cost` to the cost formulas of OP_FORMULAS in ppt/model.py"
+    with pytest.raises(PPTError, match="ppt_test::mystery_mix has no cost formula") as failed:
         cost(CustomOpLM(), batch_size=1, seq_len=8)
+    assert line in str(failed.value)
 
 
-def test_custom_op_counts_through_its_registered_formula_with_learned_values(monkeypatch):
+def test_custom_op_counts_through_the_formula_handed_to_it_with_learned_values():
     def formula(x, window):
         pairs = x.shape[0] * x.shape[1] * (window.sum().item() if window.device.type != "meta" else x.shape[1])
         return {"flops": 100 * pairs, "bytes": 7}
 
-    kernels = types.ModuleType("ppt.kernels._test_mystery")
-    kernels.COST_FORMULAS = {torch.ops.ppt_test.mystery_mix: formula}
-    monkeypatch.setitem(sys.modules, kernels.__name__, kernels)
-
-    real = cost(CustomOpLM(), batch_size=1, seq_len=8, dtype=torch.float32)
+    formulas = OpFormulas(cost={torch.ops.ppt_test.mystery_mix: formula})
+    real = cost(CustomOpLM(), batch_size=1, seq_len=8, dtype=torch.float32, formulas=formulas)
     head = 2 * 8 * 16 * 64
     assert real.flops[("primal", "matmul")][torch.float32] == head + 100 * 8 * 7  # windows 3 + 4, read for real
     assert real.attention_flops == 100 * 8 * 7
     assert real.flops_per_token == 6 * 16 * 64 + 3 * 100 * 7
     with torch.device("meta"):
         unknown_windows = CustomOpLM()
-    assert cost(unknown_windows, 1, 8).attention_flops == 100 * 8 * 8  # no values: the formula's upper bound
+    assert cost(unknown_windows, 1, 8, formulas=formulas).attention_flops == 100 * 8 * 8  # no values: upper bound
 
 
 def test_multiscreen_counts_the_same_flops_through_the_gated_output_op_as_through_its_reference(monkeypatch):
@@ -191,9 +189,9 @@ def test_multiscreen_counts_the_same_flops_through_the_gated_output_op_as_throug
     model.init_weights()
 
     def counted() -> tuple[Cost, tuple]:
-        step = cost(model, batch_size=2, seq_len=32)
+        step = cost(model, batch_size=2, seq_len=32, formulas=OP_FORMULAS)
         matmuls = {row: step.flops[row] for row in (("primal", "matmul"), ("adjoint", "matmul"))}
-        rule = comparison_flops_rule(model, 32).state_dict()
+        rule = comparison_flops_rule(model, 32, OP_FORMULAS).state_dict()
         return step, (step.params_matmul, step.flops_per_token, step.attention_flops, matmuls, rule)
 
     reference, expected = counted()
@@ -282,18 +280,38 @@ def test_cli_prints_tables_and_rejects_bad_input(capsys):
     out = capsys.readouterr().out
     for expected in ("adjoint matmul", "FLOPs/token, MFU convention", "roofline knee", "blocks.mlp", "MFU <="):
         assert expected in out
+    assert "over the pairs they need" in out and "NOT all" not in out and "warning" not in out
     main(["--config", "tiny", "--batch-size", "1", "--seq-len", "16", "--device", "cpu"])
     assert "peak rates unknown" in capsys.readouterr().out
     with pytest.raises(PPTError, match="unknown config 'no-such-config'"):
         main(["--config", "no-such-config"])
 
 
+def test_cli_says_when_a_mixer_is_not_counted_by_its_pairs(capsys, monkeypatch):
+    """Attention through SDPA with a mask tensor (a sliding window, say), which the trace cannot read."""
+    import ppt.model
+
+    masked = lambda q, k, v, mask: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.ones(q.shape[-2], k.shape[-2], device=q.device).tril().bool(), enable_gqa=True
+    )
+    monkeypatch.setattr(ppt.model, "attention", masked)
+    main(["--config", "tiny", "--batch-size", "1", "--seq-len", "32", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "NOT all over the pairs they need" in out
+    assert "blocks.attn: ppt.flops.declare_token_mixer([(128, reach)] * 4)" in out  # 2 (d_qk + d_v), heads of tiny
+
+
 def test_manifest_summary_adds_up_to_the_table():
     model = build_model(get_config("tiny"))
     model.init_weights()
-    step = cost(model, batch_size=2, seq_len=32)
+    step = cost(model, batch_size=2, seq_len=32, formulas=OP_FORMULAS)
     summary = step.summary()
     assert set(summary) == {" ".join(row) for row in step.rows()}
     total_flops = sum(step.total("flops", d) for d in step.dtypes("flops"))
     assert sum(r["flops"] for r in summary.values()) * step.tokens == pytest.approx(total_flops)
-    assert mfu_flops_per_token(model, 32)["per_token"].keys() == summary.keys()
+    assert mfu_flops_per_token(model, 32, OP_FORMULAS)["per_token"].keys() == summary.keys()
+
+
+def test_numbers_print_with_si_suffixes_and_durations_in_two_units():
+    assert [si(x) for x in (0, 999, 532.4e6, -1.5e12, 2e18)] == ["-", "999", "532.4M", "-1.5T", "2E"]
+    assert [duration(s) for s in (42, 308, 28_680, 183_600)] == ["42s", "5m08s", "7h58m", "2d03h"]

@@ -211,10 +211,6 @@ def test_benchmark_scores_go_to_wandb_with_the_val_scores(monkeypatch):
     assert base_eval.log_to_wandb(None, evaluation) is None and len(fake.inits) == 1
 
 
-def test_durations_read_at_a_glance():
-    assert [base_train.duration(s) for s in (42, 308, 28_680, 183_600)] == ["42s", "5m08s", "7h58m", "2d03h"]
-
-
 def test_the_record_round_trips_and_a_format_1_manifest_converts(tmp_path):
     path = write_manifest(tmp_path, "r", 1.25, data_seed=3, model_seed=4)
     record = RunRecord.load(path)
