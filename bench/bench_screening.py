@@ -227,10 +227,8 @@ def main(argv: list[str] | None = None) -> None:
             sf, sb, sd = seed_times[packing]
             speedup = f"   {sf / fwd_ms:5.2f}x / {sb / both_ms:5.2f}x / {sd / device_ms:5.2f}x the seed"
         print(f"{packing:<9} {label:<36} {fwd_ms:8.3f} {both_ms:11.3f} {device_ms:10.3f}{speedup}")
-    print(
-        "fwd+bwd ms: wall time of a call (do_bench), host included where it is slower than the kernels; device ms: "
-        "the kernels' own time per fwd+bwd (torch.profiler)"
-    )
+    print("fwd+bwd ms: wall time of a call (do_bench), host included where it is slower than the kernels; device ms: "
+          "the kernels' own time per fwd+bwd (torch.profiler)")  # fmt: skip
 
 
 if __name__ == "__main__":

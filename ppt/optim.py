@@ -31,9 +31,7 @@ MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 POLAR_COEFFICIENTS = (2.0, -1.5, 0.5)
 
 
-def newton_schulz(
-    G: torch.Tensor, steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7
-) -> torch.Tensor:
+def newton_schulz(G: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
     """Approximate orthogonalization U V^T of G = U S V^T over the last two dims (leading dims are a batch).
 
     Runs in bf16 on CUDA (tensor cores; the iteration tolerates it) and fp32 elsewhere; returns G's dtype.
@@ -43,7 +41,7 @@ def newton_schulz(
     wide = X.size(-2) <= X.size(-1)
     if not wide:  # iterate on the smaller Gram matrix X X^T
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # Frobenius >= spectral norm, so singular values <= 1
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # Frobenius >= spectral norm, so singular values <= 1
     shape = X.shape
     X = X.reshape(-1, *shape[-2:])  # baddbmm takes one batch dim
     # X <- a X + (b A + c A^2) X with A = X X^T, the sums in the matmuls' epilogues (baddbmm): an Aurora step over
