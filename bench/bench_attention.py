@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
+from bench.common import require_cuda
 from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
 from ppt.kernels.attention import document_mask
 from ppt.model import get_config
@@ -95,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         if not isinstance(options, dict):
             raise PPTError(f"--flex-options {text!r} is not a JSON dict; write e.g. '{{\"BLOCK_M\": 64}}'")
         option_sets.append(options)
-    if not torch.cuda.is_available():
-        raise PPTError("bench_attention measures CUDA kernels and needs a GPU; run it on a CUDA machine")
+    require_cuda("bench_attention")
 
     config = get_config(args.config)
     B, T, H, Hkv, D = args.batch_size, args.seq_len, config.n_head, config.n_kv_head, config.head_dim

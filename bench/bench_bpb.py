@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_train import CommaList
+from bench.common import CommaList
 from ppt.common import COMPILE_CHOICES, ArgumentParser, init_runtime, maybe_compile, positive_int, run_cli, token_count
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from bench.bench_screening import kernel_times, print_kernel_times
-from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
+from bench.common import kernel_times, print_kernel_times, require_cuda
+from ppt.common import ArgumentParser, positive_int, run_cli
 from ppt.kernels import cross_entropy_triton
 from ppt.kernels.cross_entropy import linear_cross_entropy
 
@@ -48,8 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=positive_int, default=49152)
     p.add_argument("--sweep", action="store_true", help="also time the op's kernel alone at other blocks")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise PPTError("bench_cross_entropy needs CUDA; the CPU tests check the same op's numbers")
+    require_cuda("bench_cross_entropy")  # the CPU tests check the same op's numbers
     import triton.testing
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -89,9 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         z = F.linear(x.detach(), weight.detach()).bfloat16()
         print("\n| blocks (BLOCK_V, warps) | op kernel ms |\n|---|---|")
-        for blocks in SWEEP:
-            op = lambda blocks=blocks: cross_entropy_triton.cross_entropy_grad_(z, targets, blocks)  # z overwritten
-            ms = triton.testing.do_bench(op, rep=200)
+        for blocks in SWEEP:  # z is overwritten in every call
+            ms = triton.testing.do_bench(partial(cross_entropy_triton.cross_entropy_grad_, z, targets, blocks), rep=200)
             print(f"| {blocks}{' (default)' if blocks == cross_entropy_triton.FORWARD_BLOCKS else ''} | {ms:.3f} |")
 
 

@@ -7,7 +7,7 @@
 Two implementations, fwd and fwd+bwd, bf16, each under torch.compile as the model runs it: the reference (plain
 PyTorch: inductor's fused elementwise kernels and two cuBLAS matmuls, one more in the backward) and the op
 `ppt::gated_output` (gated_output_triton.py's forward kernel; its backward torch ops fused by inductor). Prints the
-device time of each (its kernels' own time by torch.profiler, a median of 10 calls) and the wall time of a call
+device time of each (its kernels' own time by torch.profiler, over 10 calls) and the wall time of a call
 (triton.testing.do_bench, median), the error of each against float64 on a slice of the rows, and with --sweep the
 device time of the forward kernel at each candidate block.
 """
@@ -15,43 +15,21 @@ device time of the forward kernel at each candidate block.
 from __future__ import annotations
 
 import argparse
-import statistics
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
-from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
+from bench.common import kernel_times, median_ms, require_cuda
+from ppt.common import ArgumentParser, positive_int, run_cli
 
-FORWARD_CANDIDATES = [
-    (32, 4, 2),
-    (64, 4, 2),
-    (64, 8, 1),
-    (64, 8, 2),
-    (64, 8, 3),
-    (128, 8, 2),
-    (128, 8, 3),
-    (128, 16, 2),
-]
+FORWARD_CANDIDATES = [(32, 4, 2), (64, 4, 2), (64, 8, 1), (64, 8, 2), (64, 8, 3), (128, 8, 2), (128, 8, 3),
+                      (128, 16, 2)]  # fmt: skip
 
 
-def device_ms(fn: object, calls: int = 10) -> float:
-    """Median over calls of the summed device time of the kernels one call of fn launches (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        times.append(sum(e.self_device_time_total for e in prof.events() if e.device_type.name == "CUDA") / 1e3)
-    return statistics.median(times)
-
-
-def wall_ms(fn: object) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+def device_ms(fn: Callable[[], object]) -> float:
+    """The device time of the kernels one call of fn launches, their own times summed (torch.profiler, 10 calls)."""
+    return sum(ms for ms, _ in kernel_times(fn, []).values())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,8 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--d-model", type=positive_int, default=256)
     p.add_argument("--sweep", action="store_true", help="time the forward kernel at every candidate block")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise PPTError("bench_gated_output times CUDA kernels and found no CUDA device; run it on a GPU machine")
+    require_cuda("bench_gated_output")
     from ppt.kernels import gated_output_triton as kernels
     from ppt.kernels.gated_output import gated_output, gated_output_reference
 
@@ -79,12 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     leaves = [t.detach().requires_grad_() for t in (h, g, w)]
 
     rows = slice(0, 4096)  # float64 check on a slice: the reference's einsum in float64 over every row is slow
-    sliced = lambda t: t[:, rows] if t.dim() == 4 else t
-    exact = [sliced(t).double().requires_grad_() for t in (h, g, w)]
+    exact = [t.double().requires_grad_() for t in (h[:, rows], g[:, rows], w)]
     ref_y = gated_output_reference(*exact)
     refs = (ref_y, *torch.autograd.grad(ref_y, exact, grad_y[:, rows].double()))
     for name, fn in variants.items():
-        part = [sliced(t).detach().requires_grad_() for t in (h, g, w)]
+        part = [t.detach().requires_grad_() for t in (h[:, rows], g[:, rows], w)]
         y = fn(*part)
         got = (y, *torch.autograd.grad(y, part, grad_y[:, rows]))
         errors = [(a.double() - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, refs)]
@@ -93,15 +69,19 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| implementation | fwd device ms | fwd+bwd device ms | fwd wall ms | fwd+bwd wall ms |")
     print("|---|---|---|---|---|")
     for name, fn in variants.items():
-        forward = lambda fn=fn: fn(h, g, w)
-        train = lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, grad_y)
-        print(f"| {name} | {device_ms(forward):.3f} | {device_ms(train):.3f} | {wall_ms(forward):.3f} | "
-              f"{wall_ms(train):.3f} |")  # fmt: skip
+        forward, train = partial(fn, h, g, w), partial(fwd_bwd, fn, leaves, grad_y)
+        print(f"| {name} | {device_ms(forward):.3f} | {device_ms(train):.3f} | {median_ms(forward):.3f} | "
+              f"{median_ms(train):.3f} |")  # fmt: skip
 
     if args.sweep:
         print("\nforward blocks (BLOCK_T, warps, stages): device ms")
         for blocks in FORWARD_CANDIDATES:
-            print(f"  {blocks}: {timed(lambda b=blocks: kernels.gated_output_forward(h, g, w, b))}")
+            print(f"  {blocks}: {timed(partial(kernels.gated_output_forward, h, g, w, blocks))}")
+
+
+def fwd_bwd(fn: Callable, leaves: list[torch.Tensor], grad_y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The op's forward and backward as training takes them: the gradients of fn(*leaves) for grad_y."""
+    return torch.autograd.grad(fn(*leaves), leaves, grad_y)
 
 
 def timed(fn: object) -> str:

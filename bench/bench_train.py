@@ -20,9 +20,9 @@ import json
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from bench.common import CommaList, launcher
 from ppt.common import COMPILE_CHOICES, ArgumentParser, Number, PPTError, positive_int, run_cli, token_count
 from ppt.model import DEFAULT_CONFIG
 from ppt.optim import OPTIMIZERS
@@ -30,40 +30,6 @@ from ppt.synthetic import write_synthetic_data
 
 ON_OFF = ("on", "off")
 MEASURED_AFTER = 5  # base_train --benchmark leaves the first 5 steps out of its figures
-
-
-@dataclass(frozen=True)
-class CommaList:
-    """An argparse `type=` for a comma list of variants: each item one of `item` (choices) or passing `item` (a
-    Number such as positive_int). A bad item stops the parser with one line naming it and what items may be."""
-
-    item: tuple[str, ...] | Number
-
-    def __call__(self, text: str) -> list:
-        parts = text.split(",")
-        values = []
-        for part in parts:
-            if isinstance(self.item, tuple):
-                accepted = f"one of {', '.join(self.item)}"
-                value = part if part in self.item else None
-            else:
-                accepted = self.item.accepted
-                try:
-                    value = self.item(part)
-                except argparse.ArgumentTypeError:
-                    value = None
-            if value is None:
-                where = f" (in the list {text!r})" if len(parts) > 1 else ""
-                raise argparse.ArgumentTypeError(f"{part!r}{where} is not {accepted}")
-            values.append(value)
-        return values
-
-
-def launcher(nproc: int) -> list[str]:
-    """The command prefix that starts a module in one process, or in nproc ranks under torchrun."""
-    return (
-        [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    )
 
 
 def run_variant(base_args: list[str], extra: list[str], nproc: int) -> tuple[dict, str]:
@@ -92,20 +58,11 @@ def main(argv: list[str] | None = None) -> None:
         help=f"steps per variant, more than {MEASURED_AFTER}: the first {MEASURED_AFTER} are not measured",
     )
     p.add_argument("--compile", type=CommaList(COMPILE_CHOICES), default="on", help="comma list of on/off/auto")
-    p.add_argument(
-        "--doc-masks",
-        type=CommaList(ON_OFF),
-        default="on",
-        help="comma list: on (document masking) / off (plain causal rows)",
-    )
+    p.add_argument("--doc-masks", type=CommaList(ON_OFF), default="on", help="comma list of on (document masks) / off")
     p.add_argument("--nproc", type=positive_int, default=1, help="GPUs: more than 1 launches through torchrun (DDP)")
     p.add_argument("--vocab-size", type=Number(int, 258, 2**32 - 1), default=49152)
     p.add_argument("--mean-doc-len", type=positive_int, default=1024)
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="profile steps 6-8 of each variant and print where their time went; steps 5-9 stay out of the figures",
-    )
+    p.add_argument("--profile", action="store_true", help="where steps 6-8's time went (steps 5-9 left out of figures)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args, base_train_flags = p.parse_known_args(argv)  # the rest goes to every scripts.base_train run
     if args.profile and args.steps < 10:
@@ -118,28 +75,11 @@ def main(argv: list[str] | None = None) -> None:
         data_dir = Path(tmp) / "data"
         write_synthetic_data(data_dir, args.vocab_size, train_tokens, args.mean_doc_len, seed=0)
         base = [
-            "--config",
-            args.config,
-            "--data-dir",
-            str(data_dir),
-            "--seq-len",
-            str(args.seq_len),
-            "--device-batch-size",
-            str(args.device_batch_size),
-            "--total-batch-tokens",
-            str(total_batch),
-            "--optimizer",
-            args.optimizer,
-            "--max-steps",
-            str(args.steps),
-            "--target-tokens",
-            "1e12",
-            "--out-dir",
-            str(Path(tmp) / "out"),
-            "--log-every",
-            "5",
-            *base_train_flags,
-        ]
+            "--config", args.config, "--data-dir", str(data_dir), "--seq-len", str(args.seq_len),
+            "--device-batch-size", str(args.device_batch_size), "--total-batch-tokens", str(total_batch),
+            "--optimizer", args.optimizer, "--max-steps", str(args.steps), "--target-tokens", "1e12",
+            "--out-dir", str(Path(tmp) / "out"), "--log-every", "5", *base_train_flags,
+        ]  # fmt: skip
         for compile_choice, masks in itertools.product(args.compile, args.doc_masks):
             extra = ["--compile", compile_choice] + ([] if masks == "on" else ["--no-doc-masks"])
             extra += ["--profile"] if args.profile else []
@@ -173,11 +113,10 @@ def main(argv: list[str] | None = None) -> None:
 def format_row(r: dict) -> str:
     if "error" in r:
         return f"| {r['config']} | {r['compile']} | {r['doc_masks']} | {r['error']} |"
-    pct = lambda key: f"{100 * r[key]:.1f}%" if key in r else "-"
+    shares = [f"{100 * r[key]:.1f}%" if key in r else "-" for key in ("mfu", "mfu_6n", "data_share", "optimizer_share")]
     return (
-        f"| {r['config']} | {r['compile']} | {r['doc_masks']} | {r['tok_per_s']:,.0f} | {pct('mfu')} | "
-        f"{pct('mfu_6n')} | {r['step_time_s']:.3f} | {pct('data_share')} | {pct('optimizer_share')} | "
-        f"{r.get('peak_memory_gb', 0):.1f} |"
+        f"| {r['config']} | {r['compile']} | {r['doc_masks']} | {r['tok_per_s']:,.0f} | {shares[0]} | {shares[1]} | "
+        f"{r['step_time_s']:.3f} | {shares[2]} | {shares[3]} | {r.get('peak_memory_gb', 0):.1f} |"
     )
 
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_train import launcher
+from bench.common import launcher
 from ppt.common import (
     COMPILE_CHOICES,
     ArgumentParser,

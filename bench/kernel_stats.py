@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import re
 import subprocess
 import tempfile
@@ -27,6 +26,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from bench.common import CommaList, load_module, python_file
+from bench.screening import PLAN_NAMES, parse_blocks
 from ppt.common import ArgumentParser, PPTError, positive_int, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,6 @@ KERNELS = {
     "dq": ("_screening_dq_kernel", "_dq_kernel"),
     "dkdv": ("_screening_dkdv_kernel", "_dkdv_kernel"),
 }
-PLANS = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
 POINTERS = {"Q", "K", "V", "OUT", "DOUT", "DQ", "DK_OUT", "DV_OUT"}
 POINTER_TYPES = {"WINDOW": "*fp32", "RHO": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32", "DW_PART": "*fp32",
                  "DRHO_PART": "*fp32", "DW_OUT": "*fp32", "DRHO_OUT": "*fp32"}  # fmt: skip
@@ -90,13 +90,6 @@ def warps_per_sm(stats: dict, warps: int) -> int:
     return programs * warps
 
 
-def load_kernels(path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("screening_triton_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def kernel_of(module: types.ModuleType, kind: str) -> object:
     """The kind's Triton kernel in a loaded kernel file, under its current name or its earlier one."""
     for name in KERNELS[kind]:
@@ -105,39 +98,25 @@ def kernel_of(module: types.ModuleType, kind: str) -> object:
     raise PPTError(f"{module.__file__} defines none of {', '.join(KERNELS[kind])}: is it a screening kernel file?")
 
 
-def parse_blocks(text: str) -> tuple[int, ...]:
-    try:
-        blocks = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        blocks = ()
-    if len(blocks) not in (4, 5) or min(blocks) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG], e.g. 32,16,2,3")
-    return blocks
-
-
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel-file", type=Path, default=ROOT / "ppt" / "kernels" / "screening_triton.py")
+    p.add_argument("--kernel-file", type=python_file, default=ROOT / "ppt" / "kernels" / "screening_triton.py")
     p.add_argument("--blocks", type=parse_blocks, nargs="+", help="blocks to compile (default: each plan's own)")
-    p.add_argument("--kernels", default="forward,dq,dkdv", help="comma list of forward, dq, dkdv")
+    p.add_argument("--kernels", type=CommaList(tuple(KERNELS)), default="forward,dq,dkdv", help="comma list of kernels")
     p.add_argument("--dk", type=positive_int, default=16)
     p.add_argument("--dv", type=positive_int, default=64)
     p.add_argument("--arch", type=positive_int, default=90, help="compute capability x 10 (90: H100/H200)")
     args = p.parse_args(argv)
-    if not args.kernel_file.is_file():
-        raise PPTError(f"--kernel-file {args.kernel_file} is not a file")
-    if unknown := set(args.kernels.split(",")) - set(KERNELS):
-        raise PPTError(f"unknown kernels {sorted(unknown)}; choose from {', '.join(KERNELS)}")
-    module = load_kernels(args.kernel_file)
+    module = load_module("screening_triton_under_test", args.kernel_file)
     print(f"triton {triton.__version__}, sm_{args.arch}, {args.kernel_file}")
     print(
         f"{'kernel':<8} {'blocks':<16} {'regs':>4} {'stack':>5} {'smem':>6} {'warps/SM':>8} {'instrs':>6} {'loop':>5}"
     )
-    for kind in args.kernels.split(","):
-        if hasattr(module, PLANS[kind]):
-            own = [blocks for _, blocks in getattr(module, PLANS[kind])]
+    for kind in args.kernels:
+        if hasattr(module, PLAN_NAMES[kind]):
+            own = [blocks for _, blocks in getattr(module, PLAN_NAMES[kind])]
         else:  # kernel files from before the window-class plans
-            own = [getattr(module, PLANS[kind].replace("PLAN", "BLOCKS"))]
+            own = [getattr(module, PLAN_NAMES[kind].replace("PLAN", "BLOCKS"))]
         for blocks in args.blocks or own:
             stats = sass_stats(compile_kernel(kernel_of(module, kind), blocks, args.dk, args.dv, args.arch))
             mix = ", ".join(f"{op} {n}" for op, n in stats["loop_mix"].most_common(6))

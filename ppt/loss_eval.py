@@ -91,6 +91,7 @@ def pad_rows(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Append rows with every target ignored (-1), up to `rows`."""
     extra = rows - inputs.shape[0]
-    pad = lambda t, value: torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+    inputs = torch.cat([inputs, inputs.new_zeros(extra, inputs.shape[1])])
+    targets = torch.cat([targets, targets.new_full((extra, targets.shape[1]), -1)])
     doc_pos = None if doc_pos is None else torch.cat([doc_pos, doc_pos[:1].expand(extra, -1)])
-    return pad(inputs, 0), pad(targets, -1), doc_pos
+    return inputs, targets, doc_pos

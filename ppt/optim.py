@@ -29,42 +29,27 @@ DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02, "aurora": 2**-3}  # the main rate of 
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # p(x) = 2x - 1.5x^3 + 0.5x^5 has a super-attracting fixed point at 1: slower, but converges to the polar factor.
 POLAR_COEFFICIENTS = (2.0, -1.5, 0.5)
-# Each Newton-Schulz iteration as three matmuls with the polynomial's sums in their epilogues (baddbmm), instead of
-# three matmuls and five elementwise ops. One rounding per matmul instead of one per op: not bitwise the same as the
-# elementwise form (False); an Aurora step over multiscreen-d16 took 9.0 ms fused against 15.2 ms elementwise on an
-# H200 (docs/benchmarks.md).
-FUSED_NEWTON_SCHULZ = True
 
 
-def newton_schulz(
-    G: torch.Tensor,
-    steps: int,
-    coefficients: tuple[float, float, float],
-    eps: float = 1e-7,
-    fused: bool | None = None,
-) -> torch.Tensor:
+def newton_schulz(G: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
     """Approximate orthogonalization U V^T of G = U S V^T over the last two dims (leading dims are a batch).
 
     Runs in bf16 on CUDA (tensor cores; the iteration tolerates it) and fp32 elsewhere; returns G's dtype.
-    `fused` (default FUSED_NEWTON_SCHULZ) folds the polynomial into the matmuls' epilogues.
     """
     a, b, c = coefficients
     X = G.bfloat16() if G.is_cuda else G.float()
     wide = X.size(-2) <= X.size(-1)
     if not wide:  # iterate on the smaller Gram matrix X X^T
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # Frobenius >= spectral norm, so singular values <= 1
-    if FUSED_NEWTON_SCHULZ if fused is None else fused:
-        shape = X.shape
-        X = X.reshape(-1, *shape[-2:])  # baddbmm takes one batch dim
-        for _ in range(steps):
-            A = X @ X.mT
-            X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)
-        X = X.reshape(shape)
-    else:
-        for _ in range(steps):
-            A = X @ X.mT
-            X = a * X + (b * A + c * (A @ A)) @ X
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # Frobenius >= spectral norm, so singular values <= 1
+    shape = X.shape
+    X = X.reshape(-1, *shape[-2:])  # baddbmm takes one batch dim
+    # X <- a X + (b A + c A^2) X with A = X X^T, the sums in the matmuls' epilogues (baddbmm): an Aurora step over
+    # multiscreen-d16 took 9.0 ms this way against 15.2 ms with the elementwise ops, on an H200 (docs/benchmarks.md)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)
+    X = X.reshape(shape)
     return (X if wide else X.mT).to(G.dtype)
 
 
@@ -280,19 +265,10 @@ def build_optimizer(
             rate = scalar_lr if role == "scalar" and scalar_lr is not None else adamw_lr
             group |= dict(algorithm="adamw", lr=rate, betas=betas, eps=eps)
         groups.append(group | dict(initial_lr=group["lr"]))
-    check_coverage(model, groups)
     if name == "adamw":
         fused = all(p.is_cuda for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
     return HybridOptimizer(groups, lr=lr, compile=compile)
-
-
-def check_coverage(model: nn.Module, groups: list[dict]) -> None:
-    """Raise unless every trainable parameter sits in exactly one group (and nothing else does)."""
-    seen = [id(p) for g in groups for p in g["params"]]
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    if len(seen) != len(set(seen)) or set(seen) != trainable:
-        raise PPTError("optimizer groups must hold every trainable parameter exactly once; check param_roles()")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

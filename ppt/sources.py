@@ -58,8 +58,8 @@ def resolve_local_files(patterns: list[str]) -> list[Path]:
 
 def _folder_files(folder: Path) -> list[Path]:
     """The supported files under a folder, sorted by path; says which other files it leaves out."""
-    hidden = lambda path: any(part.startswith(".") for part in path.relative_to(folder).parts)  # noqa: E731
-    visible = [path for path in sorted(folder.rglob("*")) if path.is_file() and not hidden(path)]
+    files = [path for path in sorted(folder.rglob("*")) if path.is_file()]
+    visible = [p for p in files if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
     others = [p for p in visible if p.suffix not in LOCAL_SUFFIXES]
     if others:
         kinds = ", ".join(sorted({p.suffix or "(no suffix)" for p in others}))

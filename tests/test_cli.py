@@ -60,7 +60,10 @@ FROZEN = {
     "scripts.export_hf": ["--model-tag", "--out"],
     "scripts.flops": ["--config", "--batch-size", "--seq-len", "--device"],
     # measurement tools: an outside baseline is a path given on the command line
-    "bench.bench_screening": ["--ref", "--baseline", "--baseline-optim", "--blocks"],
+    "bench.bench_screening": ["--ref", "--baseline", "--profile"],
+    "bench.screening_sweep": ["--blocks"],
+    "bench.screening_launch_once": ["--baseline"],
+    "bench.bench_optimizer": ["--baseline-optim"],
     "bench.bench_cross_entropy": ["--tokens", "--sweep"],
     "bench.kernel_stats": ["--kernel-file", "--blocks"],
     "bench.bench_train": ["--config", "--steps", "--compile", "--nproc", "--profile"],

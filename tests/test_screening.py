@@ -349,13 +349,13 @@ def test_kernel_stats_compiles_for_sm90_without_a_gpu(run_tool):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's answer")
-def test_bench_screening_blocks_name_a_kernel_and_four_or_five_numbers(run_tool):
+def test_screening_sweep_blocks_name_a_kernel_and_four_or_five_numbers(run_tool):
     pytest.importorskip("triton")
-    code, _, err = run_tool("bench.bench_screening", "--blocks", "dq=32,16,1,2,168", "forward=16,16,1,3")
-    assert code != 0 and "needs a CUDA GPU" in err  # accepted; only the missing GPU stops it
-    code, _, err = run_tool("bench.bench_screening", "--blocks", "attention=16,16,1,1")
+    code, _, err = run_tool("bench.screening_sweep", "--blocks", "dq=32,16,1,2,168", "forward=16,16,1,3")
+    assert code != 0 and "needs a GPU" in err  # accepted; only the missing GPU stops it
+    code, _, err = run_tool("bench.screening_sweep", "--blocks", "attention=16,16,1,1")
     assert code == 2 and "KIND=BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG]" in err and "forward, dq, dkdv" in err
-    code, _, err = run_tool("bench.bench_screening", "--blocks", "dq=32,16")
+    code, _, err = run_tool("bench.screening_sweep", "--blocks", "dq=32,16")
     assert code == 2 and "'dq=32,16'" in err
 
 
