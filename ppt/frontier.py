@@ -27,7 +27,7 @@ The method, step by step (`verdict` does all of it):
    RNG is seeded, so a verdict is reproducible; resamples with no crossing (or a non-finite k, from a vertex that
    runs off to infinity) are counted (`failed`), not hidden.
    With a single seed there are no intervals (None). With few seeds the percentile interval is too narrow (n seeds
-   give only C(2n-1, n) distinct resamples, and the resampled spread is (n-1)/n of the true one): on
+   give only C(2n-1, n) distinct resamples, and a resampled mean's variance is (n-1)/n of the true one): on
    tests/test_frontier.py's exact-law study (seed offsets sd 0.03, run noise sd 0.0015, 200 resamples; 50 noise draws
    x 4 budgets) the FLOPs interval held the true k 54% of the time with 2 seeds, 80% with 4, 87% with 8, 91% with 16.
 """
@@ -111,12 +111,14 @@ def verdict(runs: Sequence[RunResult], baseline: str, resamples: int = 1000, rng
     for arch in archs:
         if sum(a == arch for a, _ in cells) < 2:
             raise PPTError(f"{arch} has runs at one budget; a frontier needs at least 2 budgets: add a budget")
-    optima, multipliers = _estimate(cells, baseline, np.ones(len(seeds)))
-    result = Verdict(baseline, seeds, resamples if len(seeds) > 1 else 0, optima, multipliers)
+    n = len(seeds)
+    optima, multipliers = _estimate(cells, baseline, np.ones(n))
+    result = Verdict(baseline, seeds, resamples if n > 1 else 0, optima, multipliers)
     rng = np.random.default_rng(rng_seed)
-    # one draw of seed counts weights every architecture's runs alike: the resample keeps the pairing
-    draws = [_estimate(cells, baseline, np.bincount(rng.integers(0, len(seeds), len(seeds)), minlength=len(seeds)))
-             for _ in range(result.resamples)]  # fmt: skip
+    # a resample: how often each seed was drawn, weighting every architecture's runs alike, so the pairing holds
+    draws = [
+        _estimate(cells, baseline, np.bincount(rng.integers(0, n, n), minlength=n)) for _ in range(result.resamples)
+    ]
     if draws:
         for i, optimum in enumerate(optima):
             optimum.size_interval = _percentiles([d[0][i].size for d in draws])
@@ -249,30 +251,18 @@ def _with_interval(value: float | None, interval: tuple[float, float] | None, fo
 def markdown(result: Verdict) -> str:
     """Two tables: each IsoFLOP optimum, and each multiplier against the baseline per budget in each unit."""
     n = len(result.seeds)
-    note = (
-        "one seed: no intervals"
-        if n == 1
-        else (
-            f"{n} seeds, 95% paired bootstrap over {result.resamples} "
-            "resamples; it covers less with few seeds, see ppt/frontier.py"
-        )
-    )
+    note = (f"{n} seeds, 95% paired bootstrap over {result.resamples} resamples; with few seeds it covers less "
+            "(ppt/frontier.py)") if n > 1 else "one seed: no intervals"  # fmt: skip
     header = "| arch | budget | size* | loss* (bpb) | FLOPs | tokens | GPU-s | flags |"
     lines = [f"### IsoFLOP optima ({note})", "", header, "|---|---|---|---|---|---|---|---|"]
     for o in result.optima:
         cells = [_with_interval(o.size, o.size_interval), _with_interval(o.loss, o.loss_interval, ".4f")]
         cells += [_with_interval(o.at[u], None) for u in UNITS] + [", ".join(o.flags)]
         lines.append(f"| {o.arch} | {o.budget:.3g} | {' | '.join(cells)} |")
-    lines += [
-        "",
-        f"### Compute multiplier k against {result.baseline} ({note})",
-        "",
-        f"k: the architecture reaches {result.baseline}'s IsoFLOP-optimal loss at k times its FLOPs, tokens or "
-        "GPU-seconds (k < 1: cheaper).",
-        "",
-        "| arch | baseline budget | k FLOPs | k tokens | k GPU-s | notes |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines += ["", f"### Compute multiplier k against {result.baseline} ({note})", "",
+              f"k: the architecture reaches {result.baseline}'s IsoFLOP-optimal loss at k times its FLOPs, tokens or "
+              "GPU-seconds (k < 1: cheaper).", "", "| arch | baseline budget | k FLOPs | k tokens | k GPU-s | notes |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
     by_key = {(m.arch, m.budget, m.unit): m for m in result.multipliers}
     for arch, budget in dict.fromkeys((m.arch, m.budget) for m in result.multipliers):
         cells, notes = [], []
