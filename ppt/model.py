@@ -3,7 +3,8 @@
 Two architectures live here, each a config dataclass plus an nn.Module that honours the contract in SPEC.md:
 - `Llama`: the vanilla SmolLM decoder (pre-norm, GQA attention with RoPE, SwiGLU MLP, RMSNorm, tied embedding).
 - `MultiscreenLM`: screening attention with learned windows, no FFN, a normalized tied embedding.
-`build_model(config)` picks the class from the config type; `get_config(name, depth)` resolves a name or a depth.
+`build_model(config)` picks the class from the config type; `get_config(name, depth)` resolves a name, a size dial
+(`d12`, `multiscreen-d12`) or a depth.
 `Llama.hf_mapping()` and `config_from_hf(config_json)` say how the vanilla model corresponds to transformers'
 LlamaForCausalLM, for export to and import from Hugging Face folders (optional: Multiscreen has neither).
 """
@@ -11,6 +12,7 @@ LlamaForCausalLM, for export to and import from Hugging Face folders (optional: 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -419,9 +421,6 @@ CONFIGS: dict[str, LlamaConfig | MultiscreenConfig] = {
     "smollm-135m": LlamaConfig(n_layer=30, n_head=9, n_kv_head=3, d_model=576, d_ff=1536),
     "smollm-360m": LlamaConfig(n_layer=32, n_head=15, n_kv_head=5, d_model=960, d_ff=2560),
     "tiny": LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=4096, max_seq_len=256),
-    "multiscreen-d16": MultiscreenConfig(psi=16),
-    "multiscreen-d24": MultiscreenConfig(psi=24),
-    "multiscreen-d32": MultiscreenConfig(psi=32),
     "multiscreen-tiny": MultiscreenConfig(psi=6, vocab_size=4096, max_seq_len=256),
 }
 DEFAULT_CONFIG = "smollm-360m"
@@ -434,7 +433,7 @@ OP_FORMULAS = OpFormulas(
 
 
 def depth_config(depth: int) -> LlamaConfig:
-    """The scaling dial: width 64*depth, 64-dim heads, full multi-head attention (n_kv_head = n_head)."""
+    """The vanilla size dial: width 64*depth, 64-dim heads, full multi-head attention (n_kv_head = n_head)."""
     if depth < 1:
         raise PPTError(f"depth must be a positive integer, got {depth}")
     d_model = 64 * depth
@@ -442,15 +441,24 @@ def depth_config(depth: int) -> LlamaConfig:
 
 
 def get_config(name: str | None = None, depth: int | None = None) -> LlamaConfig | MultiscreenConfig:
-    """A named config from CONFIGS, or the depth dial; neither gives DEFAULT_CONFIG."""
+    """A named config from CONFIGS, a size dial by name, or the depth dial; neither gives DEFAULT_CONFIG.
+
+    The dials by name: `d<N>` is the vanilla decoder at depth N (what `depth=N` gives, and how base_train names those
+    runs), `multiscreen-d<N>` Multiscreen at Psi = N (N layers of N heads, width N^2, as the paper sizes it)."""
     if name is not None and depth is not None:
         raise PPTError("give either a config name or a depth, not both")
     if depth is not None:
         return depth_config(depth)
     name = name or DEFAULT_CONFIG
-    if name not in CONFIGS:
-        raise PPTError(f"unknown config {name!r}; valid names: {', '.join(CONFIGS)}")
-    return replace(CONFIGS[name])  # a copy: callers may edit it without touching CONFIGS
+    if name in CONFIGS:
+        return replace(CONFIGS[name])  # a copy: callers may edit it without touching CONFIGS
+    dial = re.fullmatch(r"(multiscreen-)?d([1-9][0-9]*)", name)
+    if dial is None:
+        raise PPTError(
+            f"unknown config {name!r}; valid names: {', '.join(CONFIGS)}, d<N> (the vanilla decoder at depth N) "
+            "or multiscreen-d<N> (Multiscreen at Psi = N), N >= 1"
+        )
+    return MultiscreenConfig(psi=int(dial[2])) if dial[1] else depth_config(int(dial[2]))
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:

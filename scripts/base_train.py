@@ -112,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         "beside it override (e.g. --tag NAME to run it again elsewhere, --resume auto to continue it)",
     )
     g = p.add_argument_group("model")
-    g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)} (default {DEFAULT_CONFIG} unless --depth)")
+    g.add_argument(
+        "--config",
+        help=f"a named config: {', '.join(CONFIGS)}, or a name ppt/model.py's get_config resolves (its size dials: "
+        f"d12, multiscreen-d16; default {DEFAULT_CONFIG} unless --depth)",
+    )
     g.add_argument("--depth", type=positive_int, help="the scaling dial: width and heads derived from depth")
     g = p.add_argument_group("data and batch")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default <cache>/data/fineweb-edu)")

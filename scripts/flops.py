@@ -23,7 +23,9 @@ from ppt.roofline import report
 
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="a name from ppt.model.CONFIGS (default: the model's DEFAULT_CONFIG)")
+    parser.add_argument(
+        "--config", help="a config name ppt.model.get_config resolves (default: the model's DEFAULT_CONFIG)"
+    )
     parser.add_argument("--depth", type=positive_int, help="the depth dial instead of a named config")
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the config's max_seq_len)")

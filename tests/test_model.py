@@ -2,6 +2,7 @@
 configs, Multiscreen against the paper's equations. The contract every architecture meets (causality, document
 isolation, roles, init, reductions, ...) is tests/test_contract.py's."""
 
+import json
 import math
 import os
 
@@ -95,16 +96,31 @@ def test_depth_dial():
     config = get_config(depth=12)
     assert (config.d_model, config.n_layer, config.n_head, config.head_dim) == (768, 12, 12, 64)
     assert config.d_ff % 64 == 0 and abs(config.d_ff - 8 * 768 / 3) < 64
+    assert get_config("d12") == config  # the dial by name, as base_train names --depth 12's runs
     with pytest.raises(PPTError):
         get_config("tiny", depth=4)
     with pytest.raises(PPTError):
         get_config(depth=0)
 
 
-def test_unknown_config_name_lists_the_valid_ones():
+@pytest.mark.parametrize("name", ["smollm-7b", "d0", "multiscreen-d0", "multiscreen-12", "d12x", "vanilla-d12"])
+def test_unknown_config_name_lists_the_valid_ones(name):
     with pytest.raises(PPTError) as error:
-        get_config("smollm-7b")
-    assert all(name in str(error.value) for name in CONFIGS)
+        get_config(name)
+    assert all(name in str(error.value) for name in [*CONFIGS, "d<N>", "multiscreen-d<N>"])
+
+
+@pytest.mark.parametrize("name", ["d1", "multiscreen-d2"])
+def test_a_dial_name_trains(name, demo_data_dir, tmp_path):
+    """A size dial by name goes through base_train as a named config does: built on meta, one step on the CPU."""
+    from ppt.model_io import load_run
+    from scripts import base_train
+
+    sizes = "--seq-len 64 --device-batch-size 2 --total-batch-tokens 128 --max-steps 1 --eval-tokens 128"
+    base_train.main(["--config", name, *sizes.split(), "--device", "cpu", "--compile", "off",
+                     "--data-dir", str(demo_data_dir), "--out-dir", str(tmp_path)])  # fmt: skip
+    assert load_run(checkpoint=tmp_path).state["step"] == 1
+    assert json.loads((tmp_path / f"{name}.json").read_text())["config_name"] == name  # named, and tagged, by it
 
 
 def test_get_config_returns_a_copy():
@@ -207,13 +223,15 @@ def test_multiscreen_embedding_rows_start_near_unit_norm():
     assert abs(row_norms.mean().item() - 1.0) < 0.05
 
 
-def test_multiscreen_sizes():
-    config = get_config("multiscreen-d24")
-    assert (config.n_layer, config.n_head, config.d_model, config.d_key, config.d_value) == (24, 24, 576, 16, 64)
+@pytest.mark.parametrize("psi", [7, 24])
+def test_multiscreen_sizes(psi):
+    config = get_config(f"multiscreen-d{psi}")  # the dial: any Psi by name
+    d = psi**2
+    assert (config.n_layer, config.n_head, config.d_model, config.d_key, config.d_value) == (psi, psi, d, 16, 64)
     with torch.device("meta"):
         model = build_model(config)
-    per_layer = 24 * (2 * 16 * 576 + 3 * 64 * 576) + 3 * 24
-    assert sum(p.numel() for p in model.parameters()) == 49152 * 576 + 24 * per_layer + 2
+    per_layer = psi * (2 * 16 * d + 3 * 64 * d) + 3 * psi
+    assert sum(p.numel() for p in model.parameters()) == 49152 * d + psi * per_layer + 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
