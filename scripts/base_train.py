@@ -204,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="deterministic kernels only (slower; an op without one stops the run): identical runs, identical losses",
     )
-    g.add_argument("--log-every", type=positive_int, default=1)
+    g.add_argument(
+        "--log-every", type=positive_int, default=1, help="steps between log lines and the record's step entries"
+    )
     g.add_argument(
         "--max-steps", type=positive_int, help="stop at this step without changing the LR schedule (benchmarks)"
     )
@@ -728,8 +730,10 @@ class Trainer:
                  "wall_time_s": self.wall_time(), "loss": loss, "lr": lr, "grad_norm": norm, "tok_per_s": tok_per_s,
                  "step_time": dt, "data_time": data_time, **({"mfu": mfu} if mfu is not None else {}),
                  memory_key: memory}  # fmt: skip
-        self.record.history.append(entry)
-        if step % self.args.log_every and step != s.last_step:
+        logged = step % self.args.log_every == 0 or step == s.last_step
+        if logged or self.args.benchmark:  # the record keeps the logged steps (a benchmark's summary reads every one)
+            self.record.history.append(entry)
+        if not logged:
             return
         mfu_text = f" | mfu {100 * mfu:5.1f}%" if mfu is not None else ""
         done = step - self.start_step

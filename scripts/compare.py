@@ -35,6 +35,7 @@ from typing import Any
 from ppt.common import ArgumentParser, PPTError, cache_dir, print0, run_cli
 from ppt.comparison_flops import ComparisonFlops
 from ppt.formatting import duration, si
+from ppt.frontier import paired_difference, t_quantile
 from ppt.run import RunRecord, TrainSettings
 
 # What must be equal for numbers to be comparable: (column name, how to read it from a record)
@@ -171,57 +172,6 @@ def _cell(name: str, value: Any) -> str:
 # ---- statistics ---------------------------------------------------------------------------------------------------
 
 
-def _beta_continued_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta function, by the modified Lentz method."""
-    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1 / (d if abs(d) > tiny else tiny)
-    result = d
-    for m in range(1, 500):
-        for numerator in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1 + numerator * d
-            d = 1 / (d if abs(d) > tiny else tiny)
-            c = 1 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            result *= c * d
-        if abs(c * d - 1) < 1e-15:
-            break
-    return result
-
-
-def regularized_beta(x: float, a: float, b: float) -> float:
-    """I_x(a, b)."""
-    if x <= 0 or x >= 1:
-        return 0.0 if x <= 0 else 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1) / (a + b + 2):
-        return front * _beta_continued_fraction(a, b, x) / a
-    return 1 - front * _beta_continued_fraction(b, a, 1 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with df (> 0, not necessarily whole) degrees of freedom."""
-    tail = 0.5 * regularized_beta(df / (df + t * t), df / 2, 0.5)
-    return 1 - tail if t > 0 else tail
-
-
-def t_quantile(p: float, df: float) -> float:
-    """The t with P(T <= t) = p, by bisection (to 1e-12)."""
-    if not 0 < p < 1 or df <= 0:
-        raise PPTError(f"t_quantile needs 0 < p < 1 and df > 0, got p={p}, df={df}")
-    if p < 0.5:
-        return -t_quantile(1 - p, df)
-    low, high = 0.0, 1.0
-    while t_cdf(high, df) < p:
-        low, high = high, 2 * high
-    while high - low > 1e-12 * max(1.0, high):
-        middle = (low + high) / 2
-        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
-    return (low + high) / 2
-
-
 def welch_interval(a: list[float], b: list[float], confidence: float = 0.95) -> tuple[float, float, float] | None:
     """(mean(a) - mean(b), low, high) with Welch's t interval; None when either side has fewer than 2 values."""
     if len(a) < 2 or len(b) < 2:
@@ -235,16 +185,11 @@ def welch_interval(a: list[float], b: list[float], confidence: float = 0.95) -> 
     return difference, difference - half, difference + half
 
 
-def paired_interval(a: dict[Any, float], b: dict[Any, float], confidence: float = 0.95) -> tuple[float, ...] | None:
-    """(mean of a[k] - b[k] over the keys both have, low, high, pairs) with a t interval on the differences; None
-    with fewer than 2 pairs. Runs that share seeds share their data order, so its noise cancels in each pair."""
-    shared = sorted(set(a) & set(b))
-    if len(shared) < 2:
-        return None
-    differences = [a[k] - b[k] for k in shared]
-    mean = statistics.fmean(differences)
-    half = t_quantile(0.5 + confidence / 2, len(shared) - 1) * statistics.stdev(differences) / math.sqrt(len(shared))
-    return mean, mean - half, mean + half, len(shared)
+def paired_interval(a: dict[Any, float], b: dict[Any, float]) -> tuple[float, float, float, int] | None:
+    """ppt.frontier.paired_difference over the seeds both settings ran, and how many; None with fewer than 2."""
+    shared = set(a) & set(b)
+    found = paired_difference({k: a[k] for k in shared}, {k: b[k] for k in shared})
+    return None if found is None else (*found, len(shared))
 
 
 # ---- the table ----------------------------------------------------------------------------------------------------

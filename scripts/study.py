@@ -1,108 +1,121 @@
-"""Run an architecture study: a grid of base_train runs, each architecture at the learning rate its own sweep picked,
-then compare them at equal compute.
+"""Run an architecture study: each architecture's compute-optimal frontier over several sizes and budgets, and the
+verdict between them as a compute multiplier with a 95% interval over seeds.
 
-    python -m scripts.study docs/studies/offline.toml --out runs/offline --jobs 4
-    python -m scripts.study GRID.toml --out DIR --dry-run       # print the plan and the commands, run nothing
+    python -m scripts.study docs/studies/mixed.toml --out runs/mixed
+    python -m scripts.study GRID.toml --dry-run                # the runs the finished ones call for next; run nothing
+    python -m scripts.study GRID.toml --deadline 540           # start no run that would end later (a GPU lease)
 
 The grid file (TOML):
 
-    data_dir = "data/offline-cosmo2"        # prepared shards; every run reads them in the same order
-    data_seed = 0                           # one data order for every run (--data-seed)
-    model_seeds = [0, 1]                    # initializations of every setting (--model-seed)
-    budgets = [7.5e14, 1.5e15]              # comparison FLOPs per run (--target-flops)
-    baseline = "vanilla"                    # compared against, budget by budget
-    args = ["--seq-len", "1024"]            # flags every run gets
-
-    [sweep]                                 # optional; where each architecture's learning rate is chosen
-    budget = 7.5e14                         # default: the smallest budget
-    model_seeds = [0]                       # default: the first model seed
+    data_dir = "~/.cache/ppt/data/mixed-bpe16k"   # prepared shards
+    seeds = [0, 1, 2]                 # run i of every setting trains with --seed i: the same data order and the same
+                                      # initialization seed for every architecture and size (a paired design)
+    budgets = [1e15, 3e15, 1e16]      # comparison FLOPs per run (--target-flops)
+    baseline = "vanilla"              # the architecture the others are measured against
+    sizes_per_budget = 3              # sizes trained at each budget, at least 3
+    tokens_per_param = 20             # where the first sizes tried at a budget are centred (a prior, not a rule)
+    max_epochs = 4                    # no size trains more passes over the train split (about C / 6N tokens)
+    args = ["--seq-len", "1024"]      # flags every run gets
 
     [arch.vanilla]
-    args = ["--depth", "6"]
-    lrs = [1e-3, 2e-3, 4e-3]                # one rate: no sweep, that rate is used
+    sizes = ["d3", "d4", "d6", "d8"]  # config names of ppt/model.py, smallest first (the size dials)
+    lrs = [1e-3, 2e-3, 4e-3]          # the sweep each size starts from
+    args = []                         # flags this architecture's runs get
 
-    [arch.multiscreen]
-    args = ["--config", "multiscreen-d16"]
-    lrs = [2e-3, 4e-3, 8e-3]
+How it decides, all from the runs finished so far, so that rerunning the same command resumes where it stopped:
+- Sizes. At each budget it trains the `sizes_per_budget` sizes nearest (in log parameters) to the one the prior
+  puts there, then, while the best of them (lowest mean final val bpb over the seeds) is at an end of those trained
+  and the list goes on, the next size past that end.
+- Learning rates. Each size's rate is swept at the smallest budget (the first seed only); a best rate
+  at either end of the sweep adds the next rate past it (the sweep's own ratio), up to 3 times a side. A diverged run
+  counts as infinitely bad. The rate is then used at every budget, for every seed.
+- Noise. Runs are --deterministic (bitwise reproducible; --no-deterministic turns it off). The baseline's first
+  run is also run again as it was (bitwise equal expected) and twice without --deterministic: the rerun floor.
+- The verdict (ppt/frontier.py): per architecture and budget, loss against log parameters as a parabola, its
+  minimum the frontier point; B's multiplier at A's budget is the compute at which B's frontier reaches A's loss,
+  over A's compute, in comparison FLOPs, in tokens and in GPU-seconds (tokens over each run's median training
+  tokens/s, measured one run at a time), with intervals over the seeds.
 
-First every architecture trains at each of its rates at the sweep budget; the rate with the lowest mean final val
-bits-per-byte is chosen (a diverged run counts as infinitely bad; a choice at either end of the list is flagged).
-Then every architecture trains at every budget and model seed at its chosen rate; a sweep run with the same
-settings is reused, not repeated. Every run is an ordinary base_train run in <out>/runs/<name>/ with its manifest.
-
-Rerunning the same command resumes the study: a finished run (its manifest says so and holds the same command) is
-skipped, a killed one continues from its last checkpoint (--resume auto), the others start. A run whose directory
-holds a different command stops the study: change --out or delete that run.
-
-<out>/study.json records the grid, every run's command and result, the sweep and the rate chosen per architecture.
-At the end <out>/results.md holds one `scripts.compare` table per budget (each architecture against the baseline at
-equal comparison FLOPs, mean ± std over seeds, a 95% interval for the difference) and <out>/frontier.png final val
-bpb against comparison FLOPs, one line per architecture with its seed spread.
+Runs train in this process, one at a time, each in <out>/runs/<name>/ with its record and a log in <out>/logs/.
+<out>/study.json records every decision; <out>/results.md the tables (each budget's runs as scripts.compare shows
+them, with the count baselines of the val tokens; the rates; the frontier points and the multipliers; the rerun
+floor), <out>/frontier.png the frontiers.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import contextlib
 import json
 import math
+import signal
 import statistics
-import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from ppt.common import ArgumentParser, PPTError, atomic_file, positive_int, run_cli
+import torch
+
+from ppt import frontier
+from ppt.baselines import ngram_bpb
+from ppt.common import ArgumentParser, PPTError, atomic_file, positive_float, run_cli
+from ppt.formatting import duration
+from ppt.locks import lock_directory, release_locks
 from ppt.run import RunRecord
 from scripts import base_train
 from scripts.compare import compare
 
-# Flags the runner sets itself for every run; a grid that passes them would make runs that are not what they say.
-OWNED_FLAGS = ("--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops", "--target-tokens",
-               "--tag", "--out-dir", "--resume", "--from-manifest")  # fmt: skip
-# The grid key each owned flag's value comes from, for a value base_train refuses
-OWNED_KEYS = {"--data-seed": "`data_seed`", "--model-seed": "`model_seeds` or [sweep] `model_seeds`",
-              "--lr": "`lrs`", "--target-flops": "`budgets` or [sweep] `budget`"}  # fmt: skip
-GRID_KEYS = ("name", "data_dir", "data_seed", "model_seeds", "budgets", "baseline", "args", "sweep", "arch")
-POLL_S = 0.5
+# Flags the study sets itself for every run; a grid that passed them would make runs that are not what they say
+OWNED_FLAGS = ("--config", "--depth", "--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops",
+               "--target-tokens", "--tag", "--out-dir", "--resume", "--from-manifest", "--deterministic")  # fmt: skip
+GRID_KEYS = ("name", "data_dir", "seeds", "budgets", "baseline", "sizes_per_budget", "tokens_per_param", "max_epochs",
+             "args", "arch")  # fmt: skip
+MAX_EXTENSIONS = 3  # rates added past either end of a sweep
 
 
 @dataclass
 class Arch:
     name: str
-    args: list[str]
+    sizes: list[str]
     lrs: list[float]
+    args: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Grid:
     name: str
     data_dir: Path
-    data_seed: int
-    model_seeds: list[int]
+    seeds: list[int]
     budgets: list[float]
     baseline: str
-    args: list[str]
     archs: list[Arch]
-    sweep_budget: float
-    sweep_seeds: list[int]
+    args: list[str]
+    sizes_per_budget: int = 3
+    tokens_per_param: float = 20.0
+    max_epochs: float = 4.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
+    """One base_train run of the study; `variant` marks the reruns of the noise floor."""
+
     arch: str
+    size: str
     budget: float
     lr: float
     seed: int
-    phase: str  # "sweep" or "grid"
-    argv: list[str] = field(default_factory=list)
+    variant: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.arch}-f{self.budget:.3g}-lr{self.lr:.3g}-s{self.seed}"
+        return f"{self.size}-f{self.budget:.3g}-lr{self.lr:.3g}-s{self.seed}{self.variant}"  # sizes name one arch
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The grid file
 
 
 def _fail(path: Path, problem: str) -> PPTError:
@@ -126,13 +139,6 @@ def _numbers(path: Path, table: dict, key: str, kind: type, default: object = No
     return [kind(v) for v in values]
 
 
-def _number(path: Path, table: dict, key: str, kind: type, default: object) -> int | float:
-    """One number, not a list (a list would silently stand for its first value)."""
-    if isinstance(table.get(key), list):
-        raise _fail(path, f"`{key}` takes one number, got {table[key]!r}")
-    return _numbers(path, table, key, kind, default)[0]
-
-
 def _flags(path: Path, value: object, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
         raise _fail(path, f"{where} must be a list of strings (base_train flags), got {value!r}")
@@ -150,41 +156,42 @@ def load_grid(path: Path) -> Grid:
         raise PPTError(f"cannot read the grid file {path} ({exc.strerror or exc}); pass an existing .toml") from exc
     except tomllib.TOMLDecodeError as exc:
         raise PPTError(f"{path} is not valid TOML ({exc}); fix the line it names") from exc
-    unknown = set(raw) - set(GRID_KEYS)
-    if unknown:
+    if unknown := set(raw) - set(GRID_KEYS):
         raise _fail(path, f"unknown keys {sorted(unknown)}; see `python -m scripts.study --help`")
     if "data_dir" not in raw:
         raise _fail(path, "`data_dir` is missing: the prepared shards every run reads")
     archs_raw = raw.get("arch")
-    if not isinstance(archs_raw, dict) or not archs_raw:
-        raise _fail(path, "no architectures: add [arch.NAME] tables with `args` and `lrs`")
+    if not isinstance(archs_raw, dict) or len(archs_raw) < 2:
+        raise _fail(path, "a study compares at least two architectures: add [arch.NAME] tables with `sizes` and `lrs`")
     archs = []
     for name, table in archs_raw.items():
-        if not isinstance(table, dict) or set(table) - {"args", "lrs"}:
-            raise _fail(path, f"[arch.{name}] takes exactly `args` and `lrs`, got {table!r}")
-        archs.append(Arch(name, _flags(path, table.get("args", []), f"[arch.{name}] args"),
-                          _numbers(path, table, "lrs", float)))  # fmt: skip
+        if not isinstance(table, dict) or set(table) - {"sizes", "lrs", "args"}:
+            raise _fail(path, f"[arch.{name}] takes `sizes`, `lrs` and `args`, got {table!r}")
+        sizes = table.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) < 3 or not all(isinstance(s, str) for s in sizes):
+            raise _fail(path, f"[arch.{name}] `sizes` must list at least 3 config names, smallest first")
+        archs.append(Arch(name, sizes, _numbers(path, table, "lrs", float), _flags(path, table.get("args", []),
+                                                                                 f"[arch.{name}] args")))  # fmt: skip
     baseline = raw.get("baseline", archs[0].name)
     if baseline not in archs_raw:
         raise _fail(path, f"baseline {baseline!r} is not an [arch.*] table; use one of {', '.join(archs_raw)}")
-    model_seeds = _numbers(path, raw, "model_seeds", int, [0])
-    budgets = sorted(_numbers(path, raw, "budgets", float))
-    sweep = raw.get("sweep", {})
-    if not isinstance(sweep, dict) or set(sweep) - {"budget", "model_seeds"}:
-        raise _fail(path, f"[sweep] takes `budget` and `model_seeds`, got {sweep!r}")
     grid = Grid(
         name=str(raw.get("name", Path(path).stem)),
         data_dir=Path(raw["data_dir"]).expanduser(),
-        data_seed=_number(path, raw, "data_seed", int, 0),
-        model_seeds=model_seeds,
-        budgets=budgets,
+        seeds=_numbers(path, raw, "seeds", int, [0, 1, 2]),
+        budgets=sorted(_numbers(path, raw, "budgets", float)),
         baseline=baseline,
-        args=_flags(path, raw.get("args", []), "args"),
         archs=archs,
-        sweep_budget=_number(path, sweep, "budget", float, budgets[0]),
-        sweep_seeds=_numbers(path, sweep, "model_seeds", int, model_seeds[:1]),
+        args=_flags(path, raw.get("args", []), "args"),
+        sizes_per_budget=int(_numbers(path, raw, "sizes_per_budget", int, 3)[0]),
+        tokens_per_param=_numbers(path, raw, "tokens_per_param", float, 20.0)[0],
+        max_epochs=_numbers(path, raw, "max_epochs", float, 4.0)[0],
     )
-    _check_commands(path, grid)
+    if grid.sizes_per_budget < 3:
+        raise _fail(path, "`sizes_per_budget` must be at least 3: a parabola through fewer sizes has no minimum")
+    for arch in archs:
+        for size in arch.sizes:
+            _check_argv(path, grid, arch, Run(arch.name, size, grid.budgets[0], arch.lrs[0], grid.seeds[0]))
     return grid
 
 
@@ -192,294 +199,368 @@ class _Refused(Exception):
     pass
 
 
-def _refuse(message: str) -> NoReturn:
-    raise _Refused(message)
-
-
-def _check_commands(path: Path, grid: Grid) -> None:
-    """Parse every command the study may run as base_train will, so a value it refuses stops the study before any
-    run starts, not in a run's log."""
+def _check_argv(path: Path, grid: Grid, arch: Arch, run: Run) -> None:
+    """Parse a run's flags as base_train will, so a value it refuses stops the study before any run starts."""
     parser = base_train.build_parser()
-    parser.error = _refuse  # raise, where base_train's parser prints and exits
-    seeds, budgets = sorted({*grid.model_seeds, *grid.sweep_seeds}), sorted({*grid.budgets, grid.sweep_budget})
-    for arch in grid.archs:
-        for lr, seed, budget in itertools.product(arch.lrs, seeds, budgets):
-            run = Run(arch.name, budget, lr, seed, "grid")
-            try:
-                parser.parse_args(run_argv(grid, arch, run, Path("out")))
-            except _Refused as exc:
-                key = next((k for flag, k in OWNED_KEYS.items() if f"argument {flag}:" in str(exc)), None)
-                fix = key or f"`args` or [arch.{arch.name}] args"
-                raise _fail(path, f"base_train refuses run {run.name}: {exc}; fix {fix}") from None
+
+    def refuse(message: str) -> None:
+        raise _Refused(message)
+
+    parser.error = refuse
+    try:
+        parser.parse_args(run_argv(grid, run, Path("out"), deterministic=True))
+    except _Refused as exc:
+        raise _fail(path, f"base_train refuses run {run.name}: {exc}; fix `args` or [arch.{arch.name}]") from None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Runs: their commands, where they live, whether they are done
-
-
-def run_argv(grid: Grid, arch: Arch, run: Run, out: Path) -> list[str]:
+def run_argv(grid: Grid, run: Run, out: Path, deterministic: bool) -> list[str]:
     """base_train's flags for one run: the grid's, the architecture's, then what the study owns."""
-    return [
-        *grid.args, *arch.args,
-        "--data-dir", str(grid.data_dir), "--data-seed", str(grid.data_seed), "--model-seed", str(run.seed),
-        "--lr", repr(run.lr), "--target-flops", repr(run.budget),
-        "--tag", f"{grid.name}-{run.name}", "--out-dir", str(run_dir(out, run)), "--resume", "auto",
-    ]  # fmt: skip
-
-
-def run_dir(out: Path, run: Run) -> Path:
-    return out / "runs" / run.name
-
-
-def manifest_path(out: Path, grid: Grid, run: Run) -> Path:
-    return run_dir(out, run) / f"{grid.name}-{run.name}.json"
-
-
-def read_record(path: Path) -> RunRecord | None:
-    """The run's record, None before base_train has written one."""
-    return RunRecord.load(path) if path.is_file() else None
-
-
-def run_state(out: Path, grid: Grid, run: Run) -> str:
-    """'finished', 'partial' (started, not finished: resumes) or 'new'. A run dir made by another command raises."""
-    record = read_record(manifest_path(out, grid, run))
-    if record is None:
-        return "partial" if run_dir(out, run).exists() else "new"
-    if record.argv != run.argv:
-        raise PPTError(
-            f"{run_dir(out, run)} holds a run made by another command ({' '.join(record.argv)}); the grid changed "
-            "since it ran. Use another --out, or delete that run directory to rerun it"
-        )
-    return "finished" if record.finished else "partial"
-
-
-def final_bpb(out: Path, grid: Grid, run: Run) -> float:
-    record = read_record(manifest_path(out, grid, run))
-    return record.final_val.val_bpb if record and record.final_val else math.inf
+    arch = next(a for a in grid.archs if a.name == run.arch)
+    flags = [*grid.args, *arch.args, "--config", run.size, "--data-dir", str(grid.data_dir), "--seed", str(run.seed),
+             "--lr", repr(run.lr), "--target-flops", repr(run.budget), "--tag", f"{grid.name}-{run.name}",
+             "--out-dir", str(out / "runs" / run.name), "--resume", "auto"]  # fmt: skip
+    return flags + (["--deterministic"] if deterministic and not run.variant.startswith("-nondet") else [])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Execution: a few base_train processes at a time
+# The plan: the runs that the finished ones call for next
 
 
-@dataclass
-class Outcome:
-    run: Run
-    status: str  # "finished", "skipped" (finished earlier), "diverged", "failed"
-    seconds: float = 0.0
-    log: Path | None = None
-    error: str | None = None  # the run's own `error:` line, when it stopped on bad input (exit 2)
+class Study:
+    def __init__(self, grid: Grid, out: Path, deterministic: bool) -> None:
+        self.grid, self.out, self.deterministic = grid, out, deterministic
+        self.archs = {a.name: a for a in grid.archs}
+        self.params: dict[str, int] = {}  # config name -> parameters, filled by measure_sizes
+        self.train_tokens = math.inf  # tokens of the train split, filled by measure_sizes
+        self.decisions: dict[str, Any] = {"rates": {}, "sizes": {}}
+        self.finished: dict[Run, RunRecord] = {}  # records of finished runs, read once
 
+    def record_path(self, run: Run) -> Path:
+        return self.out / "runs" / run.name / f"{self.grid.name}-{run.name}.json"
 
-def execute(runs: list[Run], out: Path, grid: Grid, jobs: int) -> list[Outcome]:
-    """Run what is not finished, `jobs` at a time; a non-finite loss (exit 2 naming it) is a diverged run, which the
-    sweep scores as infinitely bad; any other failure is reported with its log, and with its `error:` line if it
-    stopped on bad input."""
-    outcomes, pending, running = [], [], {}
-    for run in runs:
-        if run_state(out, grid, run) == "finished":
-            outcomes.append(Outcome(run, "skipped"))
-        else:
-            pending.append(run)
-    total, done = len(pending), 0
-    while pending or running:
-        while pending and len(running) < jobs:
-            run = pending.pop(0)
-            log = out / "logs" / f"{run.name}.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "ab") as f:
-                cmd = [sys.executable, "-m", "scripts.base_train", *run.argv]
-                f.write(("$ " + " ".join(cmd) + "\n").encode())
-                f.flush()
-                process = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1])
-            running[process] = (run, log, time.perf_counter())
-        time.sleep(POLL_S)
-        for process in [p for p in running if p.poll() is not None]:
-            run, log, started = running.pop(process)
-            done += 1
-            tail = log.read_text(errors="replace")[-4000:]
-            if process.returncode == 0:
-                status = "finished"
-            elif process.returncode == 2 and "non-finite loss" in tail:
-                status = "diverged"
+    def record(self, run: Run) -> RunRecord | None:
+        """The run's record once it has finished; None before (a run that stopped midway resumes)."""
+        path = self.record_path(run)
+        if run in self.finished or not path.is_file():
+            return self.finished.get(run)
+        record = RunRecord.load(path)
+        if record.argv != self.argv(run):
+            raise PPTError(
+                f"{path.parent} holds a run made by another command ({' '.join(record.argv)}); the grid changed "
+                "since it ran. Use another --out, or delete that run directory to rerun it"
+            )
+        if record.final_val:
+            self.finished[run] = record
+        return self.finished.get(run)
+
+    def loss(self, run: Run) -> float | None:
+        """Final val bpb; inf for a diverged run; None while it has not run."""
+        if (self.out / "runs" / run.name / "DIVERGED").is_file():
+            return math.inf
+        record = self.record(run)
+        return record.final_val.val_bpb if record else None
+
+    def argv(self, run: Run) -> list[str]:
+        return run_argv(self.grid, run, self.out, self.deterministic)
+
+    def plan(self) -> list[Run]:
+        """Every run the finished ones call for now, unfinished first in a deterministic order."""
+        todo: list[Run] = []
+        for arch in self.grid.archs:
+            for budget in self.grid.budgets:
+                sizes, waiting = self.sizes_at(arch, budget)
+                todo += waiting
+                self.decisions["sizes"][f"{arch.name} {budget:.3g}"] = sizes
+        todo += self.floor_runs()
+        return list(dict.fromkeys(r for r in todo if self.loss(r) is None))
+
+    def sizes_at(self, arch: Arch, budget: float) -> tuple[list[str], list[Run]]:
+        """The sizes trained at a budget and the runs still needed to decide them: the prior's neighbourhood, then
+        one size further while the best trained so far is at an end (and the list goes on)."""
+        sizes = self.prior_sizes(arch, budget)
+        while True:
+            waiting, means = [], {}
+            for size in sizes:
+                lr, sweep = self.rate(arch, size)
+                runs = sweep if lr is None else [Run(arch.name, size, budget, lr, s) for s in self.grid.seeds]
+                waiting += [r for r in runs if self.loss(r) is None]
+                if lr is not None and not waiting:
+                    means[size] = statistics.fmean(self.loss(r) for r in runs)
+            if waiting:
+                return sizes, waiting
+            allowed = self.allowed_sizes(arch, budget)
+            best = allowed.index(min(means, key=means.get))
+            first, last = allowed.index(sizes[0]), allowed.index(sizes[-1])
+            if best == first and first > 0:
+                sizes = [allowed[first - 1], *sizes]
+            elif best == last and last < len(allowed) - 1:
+                sizes = [*sizes, allowed[last + 1]]
             else:
-                status = "failed"
-            errors = [line for line in tail.splitlines() if line.startswith("error: ")]
-            error = errors[-1].removeprefix("error: ") if process.returncode == 2 and errors else None
-            outcome = Outcome(run, status, time.perf_counter() - started, log, error)
-            outcomes.append(outcome)
-            bpb = final_bpb(out, grid, run)
-            result = f"val bpb {bpb:.4f}" if status == "finished" else f"{status} (log: {log})"
-            print(f"[{done}/{total}] {run.name}: {result}, {outcome.seconds:.0f} s", flush=True)
-    return outcomes
+                return sizes, []
+
+    def allowed_sizes(self, arch: Arch, budget: float) -> list[str]:
+        """The sizes that read at most max_epochs of the train split at this budget (about C / 6N tokens)."""
+        return [s for s in arch.sizes if budget / (6 * self.params[s]) <= self.grid.max_epochs * self.train_tokens]
+
+    def prior_sizes(self, arch: Arch, budget: float) -> list[str]:
+        """The sizes_per_budget sizes nearest, in log parameters, to where tokens_per_param puts the optimum:
+        C = 6 N D and D = k N give N = sqrt(C / 6k)."""
+        target = math.log(math.sqrt(budget / (6 * self.grid.tokens_per_param)))
+        ranked = sorted(self.allowed_sizes(arch, budget), key=lambda s: abs(math.log(self.params[s]) - target))
+        chosen = set(ranked[: self.grid.sizes_per_budget])
+        if len(chosen) < self.grid.sizes_per_budget:
+            raise PPTError(
+                f"{arch.name} has {len(chosen)} sizes that read at most {self.grid.max_epochs:g} epochs at "
+                f"{budget:.3g} FLOPs, fewer than sizes_per_budget: add larger sizes or lower the budget"
+            )
+        return [s for s in arch.sizes if s in chosen]
+
+    def rate(self, arch: Arch, size: str) -> tuple[float | None, list[Run]]:
+        """(the size's learning rate, its sweep's runs at the smallest budget); None until the sweep has decided."""
+        lrs, budget, seed = list(arch.lrs), self.grid.budgets[0], self.grid.seeds[0]
+        while True:
+            sweep = [Run(arch.name, size, budget, lr, seed) for lr in lrs]
+            losses = [self.loss(r) for r in sweep]
+            if None in losses:
+                return None, sweep
+            best = lrs[losses.index(min(losses))]
+            if all(math.isinf(x) for x in losses):
+                raise PPTError(f"every learning rate of {arch.name} {size} diverged ({lrs}); give lower `lrs`")
+            below, above = sum(lr < min(arch.lrs) for lr in lrs), sum(lr > max(arch.lrs) for lr in lrs)
+            if len(lrs) > 1 and best == lrs[0] and below < MAX_EXTENSIONS:
+                lrs.insert(0, lrs[0] ** 2 / lrs[1])
+            elif len(lrs) > 1 and best == lrs[-1] and above < MAX_EXTENSIONS:
+                lrs.append(lrs[-1] ** 2 / lrs[-2])
+            else:
+                self.decisions["rates"][f"{arch.name} {size}"] = {
+                    "lr": best, "swept_at": budget, "sweep": {repr(lr): x for lr, x in zip(lrs, losses)},
+                    "at_edge": len(lrs) > 1 and best in (lrs[0], lrs[-1]),
+                }  # fmt: skip
+                return best, sweep
+
+    def floor_runs(self) -> list[Run]:
+        """The baseline's first grid run again as it was, and twice without --deterministic."""
+        first = self.first_baseline_run()
+        if first is None or self.loss(first) is None:
+            return []
+        variants = (["-rerun"] if self.deterministic else []) + ["-nondet1", "-nondet2"]
+        return [replace(first, variant=v) for v in variants]
+
+    def first_baseline_run(self) -> Run | None:
+        arch, budget = self.archs[self.grid.baseline], self.grid.budgets[0]
+        sizes = self.decisions["sizes"].get(f"{arch.name} {budget:.3g}", [])
+        rate = self.decisions["rates"].get(f"{arch.name} {sizes[len(sizes) // 2]}") if sizes else None
+        return Run(arch.name, sizes[len(sizes) // 2], budget, rate["lr"], self.grid.seeds[0]) if rate else None
+
+    def grid_runs(self) -> list[Run]:
+        """The runs the verdict reads: every seed of every size trained at each budget, at the size's rate."""
+        runs = []
+        for arch in self.grid.archs:
+            for budget in self.grid.budgets:
+                for size in self.decisions["sizes"][f"{arch.name} {budget:.3g}"]:
+                    lr = self.decisions["rates"][f"{arch.name} {size}"]["lr"]
+                    runs += [Run(arch.name, size, budget, lr, seed) for seed in self.grid.seeds]
+        return runs
+
+    def measure_sizes(self) -> None:
+        """Parameters of every listed size at the data's vocabulary (built on meta: no memory, no time)."""
+        from ppt.model import build_model, get_config
+        from ppt.shards import load_data_tokenizer, read_meta
+
+        vocab = load_data_tokenizer(self.grid.data_dir).vocab_size
+        self.train_tokens = read_meta(self.grid.data_dir)["train"]["tokens"]
+        for arch in self.grid.archs:
+            for size in arch.sizes:
+                with torch.device("meta"):
+                    config = get_config(size)
+                    model = build_model(replace(config, vocab_size=vocab))
+                self.params[size] = sum(p.numel() for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The study
+# Training the runs: in this process, one at a time
 
 
-def choose_lrs(grid: Grid, out: Path, sweep_runs: list[Run]) -> dict[str, dict[str, Any]]:
-    """Per architecture: the mean final val bpb of each rate over the sweep seeds, and the rate with the lowest."""
-    chosen = {}
-    for arch in (a for a in grid.archs if len(a.lrs) > 1):
-        by_lr = {
-            lr: statistics.fmean(final_bpb(out, grid, r) for r in sweep_runs if r.arch == arch.name and r.lr == lr)
-            for lr in arch.lrs
-        }
-        best = min(arch.lrs, key=lambda lr: by_lr[lr])
-        if not math.isfinite(by_lr[best]):
-            raise PPTError(f"every learning rate of {arch.name} diverged in the sweep ({arch.lrs}); try lower rates")
-        at_edge = best in (min(arch.lrs), max(arch.lrs))
-        chosen[arch.name] = {"lr": best, "sweep_bpb": {repr(lr): bpb for lr, bpb in by_lr.items()}, "at_edge": at_edge}
-        if at_edge:
-            print(f"warning: {arch.name}'s best rate {best:g} is at the edge of its sweep {arch.lrs}; extend `lrs`")
-    return chosen
+class _Deadline(Exception):
+    pass
 
 
-def plan(grid: Grid, out: Path, chosen: dict[str, dict[str, Any]] | None) -> tuple[list[Run], list[Run]]:
-    """The sweep's runs, and the grid's (empty until the rates are chosen); a grid run equal to a sweep run is it."""
-    archs = {a.name: a for a in grid.archs}
-    sweep = [
-        Run(a.name, grid.sweep_budget, lr, seed, "sweep")
-        for a in grid.archs
-        if len(a.lrs) > 1
-        for lr in a.lrs
-        for seed in grid.sweep_seeds
-    ]
-    main = []
-    if chosen is not None or not sweep:  # a single-rate architecture needs no sweep
-        rate = lambda a: chosen[a.name]["lr"] if len(a.lrs) > 1 else a.lrs[0]
-        main = [
-            Run(a.name, budget, rate(a), seed, "grid")
-            for a in grid.archs
-            for budget in grid.budgets
-            for seed in grid.model_seeds
-        ]
-    for run in sweep + main:
-        run.argv = run_argv(grid, archs[run.arch], run, out)
-    return sweep, main
+def _at_deadline(signum: int, frame: object) -> None:
+    """SIGALRM at the deadline: base_train's SIGTERM handler, once installed, stops the run at the end of a step
+    with a checkpoint saved; before that the run stops where it is."""
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        raise _Deadline
+    signal.raise_signal(signal.SIGTERM)
 
 
-def write_record(out: Path, record: dict[str, Any]) -> None:
-    with atomic_file(out / "study.json") as f:
-        f.write(json.dumps(record, indent=1, default=str).encode())
+def train(study: Study, run: Run, deadline: float | None) -> str:
+    """Train one run through base_train.main, its output in its log. Returns "finished", "diverged" or "stopped"
+    (at the deadline: it resumes when the study runs again, from its checkpoint if it saved one)."""
+    log = study.out / "logs" / f"{run.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    argv = study.argv(run)
+    if deadline is not None:
+        signal.signal(signal.SIGALRM, _at_deadline)
+        signal.setitimer(signal.ITIMER_REAL, max(1.0, deadline - time.time()))
+    torch._dynamo.reset()  # graphs of the last run's model: dynamo would count them against this one's recompiles
+    with open(log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        print(f"$ python -m scripts.base_train {' '.join(argv)}", flush=True)
+        try:
+            base_train.main(argv)
+            status = "finished"
+        except PPTError as exc:
+            print(f"error: {exc}", flush=True)
+            status = "diverged" if "non-finite loss" in str(exc) else f"failed: {exc}"
+        except _Deadline:
+            status = "stopped"
+        except SystemExit as exc:  # the deadline's SIGTERM
+            status = "stopped" if exc.code == 128 + signal.SIGTERM else f"failed: exit {exc.code}"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    if status == "diverged":
+        (study.out / "runs" / run.name / "DIVERGED").touch()
+    if status.startswith("failed"):
+        raise PPTError(f"{run.name} {status}; its log: {log}. Fix the cause and rerun the same command to resume")
+    return status
 
 
-def plot_frontier(grid: Grid, out: Path, runs: list[Run]) -> Path:
-    """Final val bpb against realized comparison FLOPs: per architecture, the seed mean per budget and its spread."""
-    import matplotlib
+def seconds_needed(study: Study, run: Run) -> float:
+    """A run's wall time, scaled from a finished run of the same size (budgets differ); 0 when there is none yet."""
+    done = [(r, rec) for r, rec in study.finished.items() if r.size == run.size and rec.train.target_flops]
+    return max((rec.wall_time_s * run.budget / rec.train.target_flops for _, rec in done), default=0.0)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arch in grid.archs:
-        xs, ys, spreads = [], [], []
-        for budget in grid.budgets:
-            records = [read_record(manifest_path(out, grid, r)) for r in runs
-                       if r.arch == arch.name and r.budget == budget]  # fmt: skip
-            finals = [r.final_val for r in records if r and r.final_val]
-            if not finals:
+def execute(study: Study, deadline: float | None) -> bool:
+    """Train what the plan calls for until nothing is left (True), or until no run left fits before the deadline
+    or the deadline stops one (False)."""
+    done = 0
+    while runs := study.plan():
+        if deadline is not None:
+            runs = [r for r in runs if time.time() + seconds_needed(study, r) < deadline]
+            if not runs:
+                return False
+        for run in runs:
+            if deadline is not None and time.time() + seconds_needed(study, run) > deadline:
                 continue
-            xs.append(statistics.fmean(f.comparison_flops for f in finals))
-            ys.append(statistics.fmean(f.val_bpb for f in finals))
-            spreads.append(statistics.stdev(f.val_bpb for f in finals) if len(finals) > 1 else 0.0)
-        ax.errorbar(xs, ys, yerr=spreads, marker="o", capsize=3, label=arch.name)
-    ax.set_xscale("log")
-    ax.set_xlabel("comparison FLOPs (log)")
-    ax.set_ylabel("final val bits per byte")
-    ax.set_title(f"{grid.name}: mean ± std over model seeds {grid.model_seeds}")
-    ax.legend()
-    fig.tight_layout()
-    path = out / "frontier.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+            started = time.perf_counter()
+            status = train(study, run, deadline)
+            done += 1
+            loss = study.loss(run)
+            result = f"val bpb {loss:.4f}" if status == "finished" else status
+            print(f"[{done}] {run.name}: {result}, {duration(time.perf_counter() - started)}", flush=True)
+            if status == "stopped":
+                return False
+        # the finished runs may call for more (sweep extensions, sizes): plan again
+    return True
 
 
-def study(grid_path: Path, out: Path, jobs: int, dry_run: bool, data_dir: Path | None = None) -> int:
+# ---------------------------------------------------------------------------------------------------------------------
+# The results
+
+
+def run_results(study: Study) -> list[frontier.RunResult]:
+    results = []
+    for run in study.grid_runs():
+        record = study.record(run)
+        speed = statistics.median(h["tok_per_s"] for h in record.history if "tok_per_s" in h)
+        results.append(frontier.RunResult(run.arch, run.budget, record.params, run.seed, record.final_val.val_bpb,
+                                          record.comparison_flops, record.tokens, record.tokens / speed))  # fmt: skip
+    return results
+
+
+def floor_text(study: Study) -> str:
+    """The rerun floor: the deterministic rerun against the original, and the two runs without --deterministic."""
+    first = study.first_baseline_run()
+    runs = {r.variant: r for r in study.floor_runs()}
+    original, lines = study.record(first), [f"Rerun floor ({first.name}):"]
+    if "-rerun" in runs:
+        rerun = study.record(runs["-rerun"])
+        same = [h.get("loss") for h in rerun.history] == [h.get("loss") for h in original.history]
+        lines.append(
+            f"- rerun with --deterministic: every training loss {'bitwise equal' if same else 'DIFFERENT'}, final "
+            f"val bpb {rerun.final_val.val_bpb:.6f} against {original.final_val.val_bpb:.6f}"
+        )
+    a, b = (study.record(runs[v]).final_val.val_bpb for v in ("-nondet1", "-nondet2"))
+    lines.append(f"- two runs without --deterministic: {a:.6f} and {b:.6f} (|difference| {abs(a - b):.6f} bpb)")
+    return "\n".join(lines)
+
+
+def write_results(study: Study, grid_path: Path) -> str:
+    grid, out = study.grid, study.out
+    first = study.record(study.grid_runs()[0])
+    regimes = ngram_bpb(grid.data_dir, first.train.eval_tokens, first.train.seq_len, first.train.world_size)
+    regimes = {"unigram": regimes["unigram"], "bigram": regimes["bigram"]}
+    verdict = frontier.verdict(run_results(study), grid.baseline)
+    frontier.plot(verdict, out / "frontier.png")
+    hardware = first.hardware
+    text = [
+        f"# {grid.name}\n",
+        f"`python -m scripts.study {grid_path}`; commit {first.git['commit']}; {hardware.get('gpu', 'CPU')}, torch "
+        f"{hardware['torch']}, triton {hardware.get('triton')}; data {grid.data_dir} (fingerprint "
+        f"{first.data['fingerprint'][:12]}), tokenizer {first.tokenizer['name']}; "
+        f"{'deterministic' if study.deterministic else 'not deterministic'}.\n",
+        f"Count baselines of the val tokens (train-split counts): unigram {regimes['unigram']:.4f}, bigram "
+        f"{regimes['bigram']:.4f} bpb.\n",
+        "## Learning rates\n\n| architecture size | swept at | val bpb by rate | chosen |\n|---|---|---|---|",
+    ]
+    for key, rate in study.decisions["rates"].items():
+        sweep = ", ".join(f"{float(lr):g}: {x:.4f}" for lr, x in rate["sweep"].items())
+        text.append(f"| {key} | {rate['swept_at']:.3g} | {sweep} | {rate['lr']:g}{' (at an edge)' * rate['at_edge']} |")
+    text += ["", "## The verdict\n", frontier.markdown(verdict), "", floor_text(study), ""]
+    for budget in grid.budgets:
+        runs = [r for r in study.grid_runs() if r.budget == budget]
+        paths = [study.record_path(r) for r in runs]
+        base = next(r for r in runs if r.arch == grid.baseline)
+        table = compare(paths, baseline=f"{grid.name}-{base.name}", regimes=regimes)
+        text.append(f"## {budget:.3g} comparison FLOPs\n\n{table}\n")
+    (out / "results.md").write_text("\n".join(text))
+    return "\n".join(text)
+
+
+def study_main(
+    grid_path: Path, out: Path, deterministic: bool, dry_run: bool, deadline_s: float | None, data_dir: Path | None
+) -> int:
     grid = load_grid(grid_path)
     grid.data_dir = data_dir or grid.data_dir
-    if not dry_run and not (grid.data_dir / "meta.json").is_file():
+    if not (grid.data_dir / "meta.json").is_file():
         raise PPTError(f"data_dir {grid.data_dir} holds no prepared shards (no meta.json); prepare it first")
-    sweep, main = plan(grid, out, None)
-    record: dict[str, Any] = {"grid_file": str(grid_path), "grid": asdict(grid), "jobs": jobs}
+    study = Study(grid, out, deterministic)
+    study.measure_sizes()
     if dry_run:
-        for run in sweep + main:
-            print(f"{run.phase} {run.name}: python -m scripts.base_train {' '.join(run.argv)}")
-        if not main:
-            print(f"grid runs: {len(grid.archs)} archs x {len(grid.budgets)} budgets x {len(grid.model_seeds)} "
-                  "seeds, at the rates the sweep chooses")  # fmt: skip
+        for run in study.plan():
+            print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    failures = []
-    if sweep:
-        print(f"== sweep: {len(sweep)} runs at {grid.sweep_budget:.3g} comparison FLOPs ==", flush=True)
-        outcomes = execute(sweep, out, grid, jobs)
-        failures += [o for o in outcomes if o.status == "failed"]
-        if failures:
-            return report_failures(failures)
-        record["chosen"] = choose_lrs(grid, out, sweep)
-        for name, choice in record["chosen"].items():
-            print(f"{name}: lr {choice['lr']:g} (sweep val bpb {choice['sweep_bpb']})")
-        sweep, main = plan(grid, out, record["chosen"])
-    sweep_names = {r.name for r in sweep}
-    print(
-        f"== grid: {len(main)} runs ({sum(r.name in sweep_names for r in main)} reused from the sweep) ==", flush=True
-    )
-    outcomes = execute([r for r in main if r.name not in sweep_names], out, grid, jobs)
-    failures += [o for o in outcomes if o.status != "finished" and o.status != "skipped"]
-    record["runs"] = {r.name: {"phase": r.phase, "argv": r.argv, "manifest": str(manifest_path(out, grid, r)),
-                               "final_bpb": final_bpb(out, grid, r)} for r in sweep + main}  # fmt: skip
-    write_record(out, record)
-    if failures:
-        return report_failures(failures)
-    tables = [f"# {grid.name}\n", f"Grid: `{grid_path}`; runs: `{out}/runs/`; {jobs} run(s) at a time.\n"]
-    for arch in grid.archs:
-        choice = record.get("chosen", {}).get(arch.name)
-        how = f"lr {choice['lr']:g}, chosen by the sweep {choice['sweep_bpb']}" if choice else f"lr {arch.lrs[0]:g}"
-        tables.append(f"- {arch.name}: `{' '.join(arch.args)}`, {how}")
-    tables.append("")
-    if jobs > 1:
-        tables.append("Runs shared the machine: their wall times and tokens/s are not throughput figures.\n")
-    for budget in grid.budgets:
-        runs = [r for r in main if r.budget == budget]
-        baseline = next(f"{grid.name}-{r.name}" for r in runs if r.arch == grid.baseline)
-        table = compare([manifest_path(out, grid, r) for r in runs], baseline=baseline)
-        tables.append(f"## {budget:.3g} comparison FLOPs\n\n{table}\n")
-    (out / "results.md").write_text("\n".join(tables))
-    print("\n".join(tables))
-    print(f"study record: {out / 'study.json'}\nresults: {out / 'results.md'}\nplot: {plot_frontier(grid, out, main)}")
-    return 0
+    lock_directory(out, "wait for the study using it, or pass another --out")
+    try:
+        complete = execute(study, None if deadline_s is None else time.time() + deadline_s)
+        decided = {"grid_file": str(grid_path), "grid": asdict(grid), "deterministic": deterministic}
+        decided |= {"params": study.params, **study.decisions}
+        with atomic_file(out / "study.json") as f:
+            f.write(json.dumps(decided, indent=1, default=str).encode())
+        if not complete:
+            print(f"deadline: {len(study.plan())} or more runs left; rerun the same command to continue", flush=True)
+            return 3
+        print(write_results(study, grid_path))
+        print(f"\nstudy record: {out / 'study.json'}\nresults: {out / 'results.md'}\nplot: {out / 'frontier.png'}")
+        return 0
+    finally:
+        release_locks()
 
 
-def report_failures(failures: list[Outcome]) -> int:
-    for o in failures:
-        because = f": {o.error}" if o.error else ""
-        print(f"error: {o.run.name} {o.status}{because}; its log: {o.log}", file=sys.stderr)
-    print("error: the study stopped; fix the cause and rerun the same command to resume", file=sys.stderr)
-    return 2
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(
         prog="python -m scripts.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("grid", type=Path, help="the grid file (TOML, as above)")
     p.add_argument("--out", type=Path, help="study directory (default runs/<grid name>)")
     p.add_argument("--data-dir", type=Path, help="prepared shards, instead of the grid's data_dir")
-    p.add_argument("--jobs", type=positive_int, default=1, help="runs at a time on this machine (default 1)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and every command; run nothing")
+    p.add_argument("--no-deterministic", action="store_true", help="train without --deterministic (faster)")
+    p.add_argument("--dry-run", action="store_true", help="print the runs the finished ones call for; run nothing")
+    p.add_argument("--deadline", type=positive_float, help="seconds: start no run after this, stop one still going")
     args = p.parse_args(argv)
-    if args.jobs < 1:
-        p.error(f"--jobs must be at least 1, got {args.jobs}")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     out = args.out or Path("runs") / load_grid(args.grid).name
-    return study(args.grid, out, args.jobs, args.dry_run, args.data_dir)
+    return study_main(args.grid, out, not args.no_deterministic, args.dry_run, args.deadline, args.data_dir)
 
 
 if __name__ == "__main__":

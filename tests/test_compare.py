@@ -11,7 +11,7 @@ import pytest
 from records import write_manifest
 
 from ppt.common import PPTError
-from scripts.compare import compare, main, paired_interval, t_cdf, t_quantile, welch_interval
+from scripts.compare import compare, main, paired_interval, welch_interval
 
 
 def rows(text: str) -> dict[str, list[str]]:
@@ -19,14 +19,6 @@ def rows(text: str) -> dict[str, list[str]]:
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     body = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
     return {row[0]: dict(zip(header, row, strict=True)) for row in body}
-
-
-def test_t_quantiles_match_the_tables():
-    for df, t in ((1, 12.7062047), (2, 4.30265273), (5, 2.57058184), (10, 2.22813885), (30, 2.04227246)):
-        assert t_quantile(0.975, df) == pytest.approx(t, abs=1e-6)
-    assert t_quantile(0.975, 1e7) == pytest.approx(1.959964, abs=1e-5)  # the normal limit
-    assert t_quantile(0.025, 4) == pytest.approx(-2.77644511, abs=1e-6)
-    assert t_cdf(0.0, 3.5) == pytest.approx(0.5) and t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy: 1/2 + atan(1)/pi
 
 
 def test_welch_interval_by_hand():

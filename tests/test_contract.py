@@ -308,3 +308,22 @@ def test_importing_every_fixed_module_loads_no_model():
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
     assert len(FIXED_MODULES) >= 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_deterministic_runs_on_the_gpu_repeat_bit_for_bit(name, demo_data_dir, tmp_path):
+    """--deterministic as a study uses it (compiled, bf16, CUDA): two runs of one setting log identical losses."""
+    from scripts import base_train
+
+    losses = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        base_train.main(["--config", name, "--data-dir", str(demo_data_dir), "--seq-len", "128", "--deterministic",
+                         "--total-batch-tokens", "2048", "--device-batch-size", "8", "--target-tokens", "20480",
+                         "--eval-tokens", "4096", "--eval-every", "0", "--save-every", "0", "--tag", run,
+                         "--out-dir", str(out)])  # fmt: skip
+        history = json.loads((out / f"{run}.json").read_text())["history"]
+        losses.append([h.get("loss", h.get("val_bpb")) for h in history])
+    assert losses[0] == losses[1] and len(losses[0]) == 11  # 10 steps and the final evaluation

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ppt.common import PPTError
-from ppt.frontier import RunResult, isoflop_minimum, markdown, paired_difference, plot, verdict
+from ppt.frontier import RunResult, isoflop_minimum, markdown, paired_difference, plot, t_cdf, t_quantile, verdict
 
 K = 0.6  # not a ratio of two budgets, so b's frontier is read between its optima, not at one
 BUDGETS = [1e15, 2e15, 4e15, 8e15]
@@ -166,3 +166,11 @@ def test_report_and_plot(tmp_path):
     assert "2 seeds, 95% leave-one-seed-out jackknife t intervals" in markdown(result)
     plot(result, tmp_path / "figures" / "frontier.png")
     assert (tmp_path / "figures" / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_t_quantiles_match_the_tables():
+    for df, t in ((1, 12.7062047), (2, 4.30265273), (5, 2.57058184), (10, 2.22813885), (30, 2.04227246)):
+        assert t_quantile(0.975, df) == pytest.approx(t, abs=1e-6)
+    assert t_quantile(0.975, 1e7) == pytest.approx(1.959964, abs=1e-5)  # the normal limit
+    assert t_quantile(0.025, 4) == pytest.approx(-2.77644511, abs=1e-6)
+    assert t_cdf(0.0, 3.5) == pytest.approx(0.5) and t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy: 1/2 + atan(1)/pi

@@ -1,9 +1,11 @@
-"""The study runner: a miniature grid (two tiny architectures, one budget, two seeds, a two-rate sweep) end to end on
-CPU through real base_train processes, its resume, and its refusals."""
+"""The study runner: its decisions (sizes around the prior, sweeps that extend at an edge, sizes added past the
+best) on a table of losses, then a miniature study end to end on CPU (two tiny architectures, three sizes each,
+two budgets, two seeds), its resume and its refusals."""
 
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -15,19 +17,19 @@ from scripts import study
 GRID = """
 name = "mini"
 data_dir = "{data}"
-data_seed = 3
-model_seeds = [0, 1]
-budgets = [4e9]
+seeds = [0, 1]
+budgets = [3e9, 1e10]
 baseline = "vanilla"
 args = ["--seq-len", "32", "--total-batch-tokens", "128", "--device-batch-size", "4", "--eval-every", "0",
-        "--eval-tokens", "256", "--save-every", "0", "--compile", "off", "--device", "cpu", "--warmup-tokens", "128"]
+        "--eval-tokens", "256", "--save-every", "0", "--compile", "off", "--device", "cpu", "--warmup-tokens", "128",
+        "--log-every", "100"]
 
 [arch.vanilla]
-args = ["--config", "tiny"]
-lrs = [1e-3, 3e-3]
+sizes = ["d1", "d2", "d3"]
+lrs = [3e-3]
 
 [arch.screen]
-args = ["--config", "multiscreen-tiny"]
+sizes = ["multiscreen-d5", "multiscreen-d6", "multiscreen-d7"]
 lrs = [1e-2]
 """
 
@@ -38,55 +40,90 @@ def write_grid(tmp_path: Path, data: Path, text: str = GRID) -> Path:
     return path
 
 
+def planned(grid: study.Grid, losses: dict) -> study.Study:
+    """A study whose runs 'finish' with loss losses(run), planned until it asks for nothing more."""
+    s = study.Study(grid, Path("/nonexistent"), deterministic=True)
+    s.params = {size: 10 ** (i + 4) for a in grid.archs for i, size in enumerate(a.sizes)}
+    s.loss = lambda run: losses(run)
+    assert s.plan() == []
+    return s
+
+
+def table_grid(lrs: list[float], sizes: int = 6) -> study.Grid:
+    archs = [study.Arch(name, [f"{name}{i}" for i in range(sizes)], lrs) for name in ("a", "b")]
+    return study.Grid("t", Path("."), [0, 1], [1e12, 1e14], "a", archs, [], sizes_per_budget=3, tokens_per_param=20)
+
+
+def test_a_best_rate_at_an_edge_extends_the_sweep_until_it_is_inside():
+    best = 0.016  # losses fall towards 0.016 from both sides: the sweep [1e-3, 2e-3, 4e-3] must grow upwards
+    s = planned(table_grid([1e-3, 2e-3, 4e-3]), lambda run: abs(math.log(run.lr / best)) + run.seed / 100)
+    for rate in s.decisions["rates"].values():
+        assert rate["lr"] == pytest.approx(best) and not rate["at_edge"] and rate["swept_at"] in (1e12, 1e14)
+        assert [float(lr) for lr in rate["sweep"]] == pytest.approx([1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2])
+    # a rate still falling after three extensions stays at the edge, and says so
+    s = planned(table_grid([1e-3, 2e-3, 4e-3]), lambda run: -run.lr)
+    assert all(r["at_edge"] and r["lr"] == pytest.approx(4e-3 * 2**3) for r in s.decisions["rates"].values())
+
+
+def test_sizes_start_at_the_prior_and_grow_past_a_best_at_an_edge():
+    # sizes have 1e4 .. 1e9 parameters; at 1e12 FLOPs the prior (20 tokens a parameter) is sqrt(1e12 / 120) = 9.1e4
+    s = planned(table_grid([1e-3]), lambda run: 1.0)  # flat losses: the first best is the smallest, an edge
+    assert s.decisions["sizes"]["a 1e+12"] == ["a0", "a1", "a2"]
+    # loss falling with size: the best is always the largest trained, so sizes are added up to the list's end
+    s = planned(table_grid([1e-3]), lambda run: -int(run.size[1:]))
+    assert s.decisions["sizes"]["a 1e+12"] == ["a0", "a1", "a2", "a3", "a4", "a5"]
+    # a minimum at size 3 (1e7 parameters): grown until the best is inside
+    s = planned(table_grid([1e-3]), lambda run: (int(run.size[1:]) - 3) ** 2)
+    assert s.decisions["sizes"]["a 1e+12"] == ["a0", "a1", "a2", "a3", "a4"]
+    assert s.decisions["sizes"]["a 1e+14"] == ["a1", "a2", "a3", "a4"]  # prior 9.1e5: a1-a3, then a4
+
+
 @pytest.fixture(scope="module")
 def finished_study(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     tmp = tmp_path_factory.mktemp("study")
     grid, out = write_grid(tmp, demo_data_dir), tmp / "out"
     with pytest.MonkeyPatch.context() as mp:  # the runs' reports: the function-scoped private cache is not set up yet
         mp.setenv("PPT_CACHE", str(tmp / "cache"))
-        assert study.main([str(grid), "--out", str(out), "--jobs", "2"]) == 0
+        assert study.main([str(grid), "--out", str(out)]) == 0
     return grid, out, (out / "results.md").read_text()
 
 
-def test_miniature_study_sweeps_runs_grid_and_compares(finished_study):
+def test_miniature_study_trains_every_size_and_seed_and_states_a_verdict(finished_study):
     grid, out, results = finished_study
     record = json.loads((out / "study.json").read_text())
-    # the swept architecture got the rate with the lower sweep bpb; the single-rate one its only rate
-    sweep = record["chosen"]["vanilla"]["sweep_bpb"]
-    assert record["chosen"]["vanilla"]["lr"] == float(min(sweep, key=sweep.get))
-    assert "screen" not in record["chosen"]
-    # 2 sweep runs (vanilla, seed 0) + 2 archs x 2 seeds, one of which is the chosen sweep run: 5 run directories
-    assert len(list((out / "runs").iterdir())) == 5
-    grid_runs = [r for r in record["runs"].values() if r["phase"] == "grid"]
-    assert len(grid_runs) == 4 and all(r["final_bpb"] < 20 for r in grid_runs)
-    for run in grid_runs:  # one data order for every run, the model seed varies
-        argv = run["argv"]
-        assert argv[argv.index("--data-seed") + 1] == "3"
-    assert "- vanilla: `--config tiny`, lr " in results and "| multiscreen-tiny | 2 |" in results
+    assert record["deterministic"] and record["params"]["d1"] < record["params"]["d2"] < record["params"]["d3"]
+    trained = {"vanilla": ["d1", "d2", "d3"], "screen": ["multiscreen-d5", "multiscreen-d6", "multiscreen-d7"]}
+    assert record["sizes"] == {f"{a} {b}": sizes for a, sizes in trained.items() for b in ("3e+09", "1e+10")}
+    assert len(record["rates"]) == 6  # one rate a size: given, not swept
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    assert len(runs) == 2 * 2 * 3 * 2 + 3  # archs x budgets x sizes x seeds, and the rerun floor's three
+    for name in runs:  # seed i is --seed i for every run: one data order and one initialization seed per i
+        argv = json.loads(next((out / "runs" / name).glob("*.json")).read_text())["argv"]
+        assert argv[argv.index("--seed") + 1] == name.split("-s")[-1][0]
+        assert ("--deterministic" in argv) == ("nondet" not in name)
+    assert "## 3e+09 comparison FLOPs" in results and "## 1e+10 comparison FLOPs" in results
+    assert "bitwise equal" in results and "two runs without --deterministic" in results
+    assert "bigram (train-split counts)" in results and "multiplier" in results.lower()
     assert (out / "frontier.png").stat().st_size > 1000
 
 
-def test_rerun_skips_finished_runs(finished_study, capsys):
+def test_rerun_trains_nothing_and_a_changed_grid_is_refused(finished_study, tmp_path, capsys):
     grid, out, _ = finished_study
-    before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.pt")}
+    before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")}
     assert study.main([str(grid), "--out", str(out)]) == 0
-    assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.pt")} == before
-    assert "[1/" not in capsys.readouterr().out  # nothing was launched
-
-
-def test_changed_grid_is_refused_not_mixed(finished_study, tmp_path):
-    grid, out, _ = finished_study
+    assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")} == before
+    assert "[1]" not in capsys.readouterr().out  # nothing was trained
     changed = tmp_path / "changed.toml"
     changed.write_text(grid.read_text().replace('"--eval-tokens", "256"', '"--eval-tokens", "128"'))
     with pytest.raises(PPTError, match="another command"):
         study.main([str(changed), "--out", str(out)])
 
 
-def test_dry_run_prints_commands_and_runs_nothing(demo_data_dir, tmp_path, capsys):
+def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_data_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert study.main([str(write_grid(tmp_path, demo_data_dir)), "--out", str(out), "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("sweep vanilla") == 2 and "--target-flops 4000000000.0" in printed
+    assert "d1-f3e+09-lr0.003-s0: python -m scripts.base_train" in printed and "--deterministic" in printed
     assert not out.exists()
 
 
@@ -96,29 +133,19 @@ def test_dry_run_prints_commands_and_runs_nothing(demo_data_dir, tmp_path, capsy
         (lambda g: g.replace("lrs = [1e-2]", "lrs = []"), "non-empty list"),
         (lambda g: g.replace('baseline = "vanilla"', 'baseline = "gpt2"'), "not an \\[arch"),
         (lambda g: g.replace('"--seq-len", "32"', '"--lr", "1", "--seq-len", "32"'), "--lr"),
-        (lambda g: g.replace("budgets = [4e9]", "budgets = [-1]"), "positive"),
-        (lambda g: g.replace("model_seeds = [0, 1]", "model_seeds = [0.5]"), "whole numbers"),
-        (lambda g: g.replace("model_seeds = [0, 1]", "model_seeds = [0, 0]"), "repeats a value"),
-        (lambda g: g.replace("lrs = [1e-3, 3e-3]", "lrs = [1e-3, 1.0001e-3]"), "repeats a value"),
-        (lambda g: g.replace("data_seed = 3", "data_seed = [3, 4]"), "takes one number"),
+        (lambda g: g.replace('["d1", "d2", "d3"]', '["d1", "d2"]'), "at least 3 config names"),
+        (lambda g: g.replace("budgets = [3e9, 1e10]", "budgets = [-1]"), "positive"),
+        (lambda g: g.replace("seeds = [0, 1]", "seeds = [0.5]"), "whole numbers"),
+        (lambda g: g.replace("seeds = [0, 1]", "seeds = [0, 0]"), "repeats a value"),
+        (lambda g: "sizes_per_budget = 2\n" + g, "at least 3"),
         (lambda g: "learning_rate = 3\n" + g, "unknown keys"),
-        (lambda g: g + "\nlearning_rate = 3\n", "takes exactly"),
+        (lambda g: g + "\nlearning_rate = 3\n", "takes `sizes`, `lrs` and `args`"),
         (lambda g: g.replace("[arch.screen]", "[arch.screen"), "not valid TOML"),
-        # values base_train's parser refuses, found before any run starts, with the grid entry to fix
-        (lambda g: g.replace('"--seq-len", "32"', '"--seq-len", "0"'), "--seq-len: '0' is not an integer >= 1.*args"),
-        (lambda g: g.replace('["--config", "tiny"]', '["--optimizer", "sgd"]'), "--optimizer.*arch.vanilla\\] args"),
-        (lambda g: g.replace("model_seeds = [0, 1]", "model_seeds = [1e30]"), "--model-seed.*fix `model_seeds`"),
+        (lambda g: g.split("[arch.screen]")[0], "at least two architectures"),
+        # values base_train's parser refuses, found before any run starts
+        (lambda g: g.replace('"--seq-len", "32"', '"--seq-len", "0"'), "--seq-len: '0' is not an integer >= 1"),
     ],
 )
 def test_bad_grids_are_refused_with_one_message(tmp_path, edit, message):
     with pytest.raises(PPTError, match=message):
         study.load_grid(write_grid(tmp_path, tmp_path, edit(GRID)))
-
-
-def test_a_run_refused_by_base_train_names_its_error(demo_data_dir, tmp_path, capsys):
-    # a value base_train accepts as a flag but refuses once it knows the config: the run's own error line is repeated
-    grid = GRID.replace('"--seq-len", "32"', '"--seq-len", "512"').replace("lrs = [1e-3, 3e-3]", "lrs = [1e-3]")
-    grid = grid.replace("model_seeds = [0, 1]", "model_seeds = [0]").split("[arch.screen]")[0]
-    assert study.main([str(write_grid(tmp_path, demo_data_dir, grid)), "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert "error: vanilla-f4e+09-lr0.001-s0 failed: --seq-len 512 exceeds the config's max_seq_len 256" in err
