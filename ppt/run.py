@@ -193,8 +193,9 @@ class RunRecord:
 
 def from_format_1(data: dict[str, Any]) -> dict[str, Any]:
     """A manifest written before the record had a format (2026-11-29 to 2026-12-02) as a format-2 record's dict:
-    the same keys, with out_dir read from its flags and the wall-time note (now in SPEC.md) dropped."""
-    data = {k: v for k, v in data.items() if k != "wall_time_includes"}
+    the same keys, with out_dir read from its flags, and the relaunch command and wall-time note (derived, or in
+    SPEC.md) dropped."""
+    data = {k: v for k, v in data.items() if k not in ("relaunch", "wall_time_includes")}
     args = data.get("args") or {}
     return data | {"format": FORMAT, "out_dir": args.get("out_dir") or data.get("data", {}).get("dir", "")}
 

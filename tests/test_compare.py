@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import tarfile
+from pathlib import Path
 
 import pytest
 from records import write_manifest
@@ -203,3 +205,18 @@ def test_count_baselines_are_rows_and_runs_not_below_the_bigram_are_marked(tmp_p
     assert table["vanilla"]["val bpb"] == "1.2000 (n=1) (not below the bigram)"
     assert table["screening"]["val bpb"] == "1.0000 (n=1)"
     assert table["bigram (train-split counts)"]["val bpb"] == "1.1000"
+
+
+def test_the_published_archive_compares_at_its_content_fingerprint(tmp_path):
+    """docs/results/offline-h200.tar.gz, converted to format 2: its records carry the data fingerprint that shards
+    prepared again from the same documents get (regenerated and checked when the archive was converted), so a rerun
+    on them compares with it."""
+    with tarfile.open(Path(__file__).parents[1] / "docs" / "results" / "offline-h200.tar.gz") as archive:
+        archive.extractall(tmp_path, filter="data")
+    paths = sorted(tmp_path.glob("offline-h200/study/runs/*-f3e+15-*/*.json"))
+    table = rows(compare(paths, baseline="d6"))
+    assert set(table) == {"d6", "multiscreen-d16"} and table["multiscreen-d16"]["paired Δ (95% CI)"].endswith(
+        "(3 pairs)"
+    )
+    record = json.loads(paths[0].read_text())
+    assert record["format"] == 2 and record["data"]["fingerprint"].startswith("4453ef846c73")

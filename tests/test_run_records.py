@@ -220,7 +220,7 @@ def test_the_record_round_trips_and_a_format_1_manifest_converts(tmp_path):
     assert plot_losses(record, tmp_path / "curve.png") is None  # no training losses in this record: nothing to draw
 
     old = {k: v for k, v in record.to_dict().items() if k not in ("format", "out_dir")}  # as written before formats
-    old |= {"args": {"out_dir": "/runs/r"}, "wall_time_includes": "a note"}
+    old |= {"args": {"out_dir": "/runs/r"}, "relaunch": "python -m ...", "wall_time_includes": "a note"}
     (tmp_path / "old.json").write_text(json.dumps(old))
     converted = RunRecord.load(tmp_path / "old.json")
     assert converted.out_dir == "/runs/r" and converted.evals == record.evals and converted.train == record.train
