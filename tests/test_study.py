@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from ppt import locks
 from ppt.common import PPTError
 from scripts import study
 
@@ -149,3 +152,14 @@ def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_data_dir, tmp_pat
 def test_bad_grids_are_refused_with_one_message(tmp_path, edit, message):
     with pytest.raises(PPTError, match=message):
         study.load_grid(write_grid(tmp_path, tmp_path, edit(GRID)))
+
+
+def test_a_second_study_on_the_same_out_is_refused(demo_data_dir, tmp_path):
+    """The study holds its --out: a second one (or a rerun while a killed one's runs would still train) stops."""
+    out = tmp_path / "out"
+    out.mkdir()
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": "now", "argv": ["study"],
+             "process_start": locks._process_start(os.getpid())}  # fmt: skip
+    (out / locks.LOCK_NAME).write_text(json.dumps(owner))  # a live study: this process
+    with pytest.raises(PPTError, match=r"in use by another run: pid \d+.*pass another --out"):
+        study.main([str(write_grid(tmp_path, demo_data_dir)), "--out", str(out)])
