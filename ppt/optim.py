@@ -24,6 +24,7 @@ from ppt.common import PPTError
 ROLES = ("matrix", "embedding", "scalar")
 OPTIMIZERS = ("adamw", "muon", "aurora")
 DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02, "aurora": 2**-3}  # the main rate of each (matrices for muon, aurora)
+BETAS, EPS = (0.9, 0.95), 1e-8  # AdamW's, wherever it runs
 
 # Tuned quintic coefficients (Keller Jordan's Muon): pushes singular values to roughly [0.7, 1.2] in 5 steps.
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -113,7 +114,7 @@ class HybridOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, param_groups: list[dict], lr: float = 1e-3, compile: bool = False) -> None:
-        defaults = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95, nesterov=True)
+        defaults = dict(lr=lr, betas=BETAS, eps=EPS, weight_decay=0.0, momentum=0.95, nesterov=True)
         super().__init__(param_groups, defaults)
         # The orthogonalizations are hundreds of small batched ops (an Aurora step over multiscreen-d16: 144 matmuls
         # among ~800 ops). The step runs right after the loop's host sync, so the GPU idles while the host issues
@@ -126,11 +127,7 @@ class HybridOptimizer(torch.optim.Optimizer):
             self.aurora_direction = GraphedOnCuda(torch.compile(self.aurora_direction, dynamic=False))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self) -> None:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -139,7 +136,6 @@ class HybridOptimizer(torch.optim.Optimizer):
                 self._adamw_update(params, group)
             else:
                 self._orthogonal_updates(params, group)
-        return loss
 
     # Both updates treat a group's tensors as lists (torch._foreach_*): a handful of launches per group instead of
     # several per parameter, since a step of small tensors is bound by how fast the host issues kernels.
@@ -183,14 +179,11 @@ class HybridOptimizer(torch.optim.Optimizer):
         by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)  # (rows, cols) of the tall form -> params
         for i, p in enumerate(params):
             by_shape[(max(p.shape[-2:]), min(p.shape[-2:]))].append(i)
+        direction = self.muon_direction if group["algorithm"] == "muon" else self.aurora_direction
         directions: list[torch.Tensor] = [torch.empty(0)] * len(params)
         for (rows, cols), indices in by_shape.items():
             tall = [updates[i] if updates[i].shape[-2] == rows else updates[i].mT for i in indices]
-            stacked = torch.cat([u.reshape(-1, rows, cols) for u in tall])
-            if group["algorithm"] == "muon":
-                stacked = self.muon_direction(stacked)
-            else:
-                stacked = self.aurora_direction(stacked)
+            stacked = direction(torch.cat([u.reshape(-1, rows, cols) for u in tall]))
             for i, u, d in zip(indices, tall, stacked.split([u.numel() // (rows * cols) for u in tall])):
                 d = d.view(u.shape)
                 directions[i] = d if d.shape == params[i].shape else d.mT
@@ -233,8 +226,6 @@ def build_optimizer(
     name: str = "adamw",
     lr: float | None = None,
     weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
     momentum: float = 0.95,
     adamw_lr: float = 3e-3,
     scalar_lr: float | None = None,
@@ -258,16 +249,16 @@ def build_optimizer(
             continue
         group = dict(params=[p for _, p in named], role=role, weight_decay=0.0 if role == "scalar" else weight_decay)
         if name == "adamw":
-            group |= dict(algorithm="adamw", lr=lr, betas=betas, eps=eps)
+            group |= dict(algorithm="adamw", lr=lr, betas=BETAS, eps=EPS)
         elif role == "matrix":
             group |= dict(algorithm=name, lr=lr, momentum=momentum, nesterov=True)
         else:
             rate = scalar_lr if role == "scalar" and scalar_lr is not None else adamw_lr
-            group |= dict(algorithm="adamw", lr=rate, betas=betas, eps=eps)
+            group |= dict(algorithm="adamw", lr=rate, betas=BETAS, eps=EPS)
         groups.append(group | dict(initial_lr=group["lr"]))
     if name == "adamw":
         fused = all(p.is_cuda for g in groups for p in g["params"])
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+        return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, fused=fused or None)
     return HybridOptimizer(groups, lr=lr, compile=compile)
 
 
