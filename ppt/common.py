@@ -155,8 +155,7 @@ def print0(*args: object, **kwargs: object) -> None:
 
 
 def warn0(message: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+    print0(f"warning: {message}", file=sys.stderr)
 
 
 COMPILE_CHOICES = ("auto", "on", "off")  # the --compile values compile_enabled reads

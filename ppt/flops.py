@@ -82,19 +82,11 @@ _REDUCTION_FLOPS_PER_ELEMENT = {
 _PER_TARGET = {"nll_loss_forward", "nll_loss2d_forward"}
 
 
-def _vector_product_flops(*args: object, **kwargs: object) -> int:
-    """mv, addmv, dot, vdot: 2 FLOPs per element of the matrix (or vector) operand."""
-    return 2 * max(t.numel() for t in _tensors(args))
-
-
-_MATMUL_EXTRA = dict.fromkeys(("mv", "addmv", "dot", "vdot"), _vector_product_flops)
-
+# matrix-vector and vector products torch's flop formulas lack: 2 FLOPs per element of the matrix (or vector) operand
+_MATMUL_EXTRA = dict.fromkeys(
+    ("mv", "addmv", "dot", "vdot"), lambda *args, **kw: 2 * max(t.numel() for t in _tensors(args))
+)
 _SHADOW_MAX = 4096  # parameter-derived tensors up to this size keep real values during the trace (see _Trace)
-
-
-def _distinct_elements(t: torch.Tensor) -> int:
-    """Elements an op must touch: broadcast (stride-0) dimensions hold one copy of the data."""
-    return math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0)
 
 
 def _part(modules: set[str]) -> str:
@@ -207,11 +199,8 @@ class _Trace(TorchDispatchMode):
             self._batch_dependent[t] = True
 
     def cast(self, x: object) -> object:
-        """A matmul operand in the autocast dtype, as torch.autocast runs matmuls on the GPU.
-
-        As with autocast, a parameter is cast once per step and an activation once per use; the backward reuses the
-        forward's copies. A cast is booked as a selection: a read in the source dtype, a write in the autocast dtype.
-        """
+        """A matmul operand in the autocast dtype, as autocast casts it: a parameter once per step, an activation once
+        per use, the backward reusing the forward's copies; booked as a selection (a read, then a write)."""
         if not isinstance(x, torch.Tensor) or self.autocast in (None, x.dtype) or not x.is_floating_point():
             return x
         key = x.untyped_storage()._cdata  # by storage, so every view of a tensor finds its copy
@@ -278,8 +267,8 @@ class _Trace(TorchDispatchMode):
         if total_bytes is not None:
             self.bytes[row][dtype] += total_bytes
             booked[1] += total_bytes
-        for t in operands:
-            nbytes = _distinct_elements(t) * t.element_size()
+        for t in operands:  # broadcast (stride-0) dimensions hold one copy of the data
+            nbytes = math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0) * t.element_size()
             self.bytes[row][t.dtype] += nbytes
             booked[1] += nbytes
 

@@ -9,14 +9,9 @@ For each batch row b, head h and query position i (all tensors are (B, T, H, D),
 
 `w_h = inf` makes head h see its whole document prefix with m = 1. Gradients flow to q, k, v, window and rho.
 
-Public API:
-    meta = screening_metadata(doc_pos)                     once per batch, shared by every layer; no host sync
-    h = screening(q, k, v, window, rho, meta)              the custom op `ppt::screening` (Triton on CUDA, plain
-                                                           torch elsewhere); autograd + torch.compile
-    h = screening_reference(q, k, v, window, rho, meta)    plain PyTorch, autograd through torch ops, float64-capable
-    screening_cost(B, T, H, dK, dV, window, meta, dtype)   {"pairs", "fwd_flops", "bwd_flops", "fwd_bytes", ...}
-    COST_FORMULAS, FLOP_FORMULAS, PAIR_FORMULAS            {op packet: formula(*op_args)} for ppt.flops and
-                                                           FlopCounterMode(custom_mapping=FLOP_FORMULAS)
+`screening(q, k, v, window, rho, screening_metadata(doc_pos))` is the custom op `ppt::screening` (Triton on CUDA,
+plain torch elsewhere; autograd and torch.compile), `screening_reference` the same in plain PyTorch (float64-capable).
+COST_FORMULAS, FLOP_FORMULAS and PAIR_FORMULAS count it for ppt.flops and FlopCounterMode (`screening_cost`).
 
 Shapes and dtypes: q, k (B, T, H, dK); v (B, T, H, dV); bf16, fp16, fp32 (and fp64 on CPU); window, rho (H,)
 float32; meta = (doc_start, doc_end), both (B, T) int32. The CUDA kernels tile head dims of 16, 32, 64 or 128.
@@ -97,16 +92,6 @@ def _check_kernel_inputs(q: Tensor, v: Tensor) -> None:
         raise ValueError(f"the CUDA screening kernel supports bf16, fp16 and fp32, got {q.dtype}")
 
 
-def _check_values(window: Tensor, rho: Tensor) -> None:
-    """Value checks that read the tensors: only where that costs no device sync (CPU tensors)."""
-    if window.device.type != "cpu":
-        return
-    if bool(torch.isnan(window).any()) or bool((window <= 0).any()):
-        raise ValueError(f"window must be > 0 (inf allowed, meaning the full document prefix), got {window.tolist()}")
-    if not bool(torch.isfinite(rho).all()):
-        raise ValueError(f"rho must be finite, got {rho.tolist()}")
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Plain-PyTorch paths: the reference (autograd through torch ops) and an analytic backward for the CPU op
 
@@ -116,11 +101,8 @@ def _compute_dtype(q: Tensor) -> torch.dtype:
 
 
 def _chunk_terms(q_chunk: Tensor, k: Tensor, window: Tensor, rho: Tensor, doc_start_chunk: Tensor, i0: int):
-    """Scores, pre-trim base and masked softmask for queries [i0, i0 + chunk) against keys [0, i0 + chunk).
-
-    Returns s (B, H, C, J), base (B, H, C, J), m (B, H, C, J) with m = 0 outside the window and the document, and
-    the per-head phase pi * (i - j) / w (H, C, J) that d m / d w needs.
-    """
+    """For queries [i0, i0 + chunk) against keys [0, i0 + chunk): scores s, pre-trim base and softmask m (B, H, C, J;
+    m = 0 outside the window and the document), and the phase pi * (i - j) / w (H, C, J) that d m / d w needs."""
     C, J = q_chunk.shape[1], k.shape[1]
     s = torch.einsum("bihd,bjhd->bhij", q_chunk, k)
     base = 1 - rho.view(1, -1, 1, 1) * (1 - s)
@@ -190,7 +172,13 @@ def _screening_backward_torch(
 def _screening_op(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
 ) -> Tensor:
-    _check_values(window, rho)
+    if window.device.type == "cpu":  # value checks read the tensors: only where that costs no device sync
+        if bool(torch.isnan(window).any()) or bool((window <= 0).any()):
+            raise ValueError(
+                f"window must be > 0 (inf allowed, meaning the full document prefix), got {window.tolist()}"
+            )
+        if not bool(torch.isfinite(rho).all()):
+            raise ValueError(f"rho must be finite, got {rho.tolist()}")
     return screening_reference(q, k, v, window, rho, (doc_start, doc_end))
 
 
