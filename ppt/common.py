@@ -201,8 +201,7 @@ class ArgumentParser(argparse.ArgumentParser):
 @dataclass(frozen=True)
 class Number:
     """An argparse `type=` for a numeric flag: a finite int or float in [minimum, maximum] (minimum excluded when
-    `above`). `scientific` ints may be written 2e9 (token counts). A bad value stops the parser with one line naming
-    the flag, the value and what the flag accepts."""
+    `above`); `scientific` ints may be written 2e9 (token counts)."""
 
     kind: type
     minimum: float
@@ -224,8 +223,7 @@ class Number:
 
     @property
     def accepted(self) -> str:
-        """What the flag takes, in words: 'an integer >= 1', 'a finite number > 0', 'a whole number >= 1 and <= 1e15
-        (2e9 notation allowed)'."""
+        """What the flag takes, in words: 'an integer >= 1', 'a finite number > 0' ..."""
         noun = "a whole number" if self.scientific else "an integer" if self.kind is int else "a finite number"
         text = f"{noun} {'>' if self.above else '>='} {_plain(self.minimum)}"
         if self.maximum < (2**63 - 1 if self.kind is int else math.inf):

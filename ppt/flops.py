@@ -120,12 +120,10 @@ def _compute_dtype(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> t
 
 @dataclass(frozen=True)
 class OpFormulas:
-    """The formulas of a model's custom ops (ppt/model.py's OP_FORMULAS), keyed by op, op packet or "namespace::name";
-    each is called with the op's own arguments, small learned tensors (a per-head window) holding real values.
-
-    cost: {"flops": matmul FLOPs, "bytes": operand bytes} (FLOPs may also come per op class, under the class names),
-    for MFU and the cost table. pairs: for the comparison rule, one (forward FLOPs per needed pair, reach) per head of
-    one row, reach being how many keys back a query needs at most (math.inf: its whole document prefix).
+    """The formulas of a model's custom ops (ppt/model.py's OP_FORMULAS), keyed by op, op packet or "namespace::name"
+    and called with the op's own arguments (small learned tensors holding real values). cost: {"flops": matmul FLOPs,
+    "bytes": operand bytes} (or FLOPs per op class, by class name). pairs: one (forward FLOPs per needed pair, reach)
+    per head of one row, reach being how many keys back a query needs at most (math.inf: its whole document prefix).
     """
 
     cost: Mapping[object, Callable[..., object]] = field(default_factory=dict)
@@ -163,13 +161,10 @@ def _checked_heads(source: str, heads: object) -> list[tuple[float, float]]:
 
 
 class _Trace(TorchDispatchMode):
-    """Sees every aten op of one forward+backward and books its FLOPs and bytes by (pass, op class, dtype).
-
-    It also tags tensors that depend on the batch (the token ids): a matmul with an operand that does not is a
-    weight matmul (its FLOPs give the N of 6N); one whose operands all do is an activation matmul (attention), and
-    is listed as a token mixer call. Small parameter-derived tensors keep real values beside their meta twins
-    ("shadows"), so a cost formula sees, say, a learned per-head window and counts only in-window pairs.
-    """
+    """Sees every aten op of one forward+backward and books its FLOPs and bytes by (pass, op class, dtype). Tensors
+    that depend on the batch (the token ids) are tagged: a matmul with a matrix operand that does not is a weight
+    matmul (the N of 6N), one whose operands all do a token mixer call. Small parameter-derived tensors keep real
+    values beside their meta twins ("shadows"), so a cost formula sees, say, a learned per-head window."""
 
     def __init__(self, params: list[torch.Tensor], shadows: list[tuple[torch.Tensor, torch.Tensor]],
                  autocast: torch.dtype | None, formulas: OpFormulas, rows: int) -> None:  # fmt: skip
@@ -535,11 +530,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _meta_twin(t: torch.Tensor) -> torch.Tensor:
-    twin = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
-
-
 def declare_token_mixer(heads: list[tuple[float, float]]) -> None:
     """For the comparison-FLOPs rule, in a token mixer module's forward, once a call: the pairs it needs per row, one
     (forward FLOPs per needed pair, reach) per head as a pair formula gives them (reach math.inf for the whole prefix,
@@ -553,7 +543,8 @@ def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dt
                 formulas: OpFormulas) -> _Trace:  # fmt: skip
     """Run `model` on meta twins of its tensors under a _Trace: the forward, and the backward when asked."""
     originals = dict(model.named_parameters()) | dict(model.named_buffers())
-    twins = {name: _meta_twin(t) for name, t in originals.items()}
+    twins = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in originals.items()}
+    twins |= {name: nn.Parameter(twins[name], requires_grad=p.requires_grad) for name, p in model.named_parameters()}
     shadows = [
         (twins[name], t.detach().cpu())
         for name, t in originals.items()

@@ -33,10 +33,8 @@ POLAR_COEFFICIENTS = (2.0, -1.5, 0.5)
 
 
 def newton_schulz(G: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
-    """Approximate orthogonalization U V^T of G = U S V^T over the last two dims (leading dims are a batch).
-
-    Runs in bf16 on CUDA (tensor cores; the iteration tolerates it) and fp32 elsewhere; returns G's dtype.
-    """
+    """Approximate orthogonalization U V^T of G = U S V^T over the last two dims (leading dims are a batch), in bf16
+    on CUDA (tensor cores; the iteration tolerates it) and fp32 elsewhere; returns G's dtype."""
     a, b, c = coefficients
     X = G.bfloat16() if G.is_cuda else G.float()
     wide = X.size(-2) <= X.size(-1)
@@ -57,12 +55,10 @@ def newton_schulz(G: torch.Tensor, steps: int, coefficients: tuple[float, float,
 def aurora_direction(
     G: torch.Tensor, preconditioner_steps: int = 2, beta: float = 0.5, eps: float = 1e-7
 ) -> torch.Tensor:
-    """Polar factor of D G, where the diagonal D rebalances rows so a tall m x n result has rows of equal norm.
-
-    An m x n (m > n) orthogonal-column matrix has mean squared row norm n / m; plain orthogonalization lets some rows
-    carry far more of the update than others. Each preconditioner step rescales rows toward that target (damped by
-    the exponent `beta`) and re-orthogonalizes. Square matrices need no balancing; wide ones are handled transposed.
-    """
+    """Polar factor of D G, the diagonal D rebalancing rows so a tall m x n result has rows of equal norm: plain
+    orthogonalization lets some rows carry far more of the update than others. Each preconditioner step rescales rows
+    toward the mean squared row norm n / m (damped by the exponent `beta`) and re-orthogonalizes; square matrices need
+    no balancing, wide ones are handled transposed."""
     m, n = G.size(-2), G.size(-1)
     if m == n:
         return newton_schulz(G, 12, POLAR_COEFFICIENTS)
@@ -107,11 +103,8 @@ class GraphedOnCuda:
 
 
 class HybridOptimizer(torch.optim.Optimizer):
-    """One optimizer for Muon/Aurora groups (matrices) and AdamW groups (embeddings, scalars).
-
-    Each group's `algorithm` picks its update; state_dict, load_state_dict and param_groups are torch's own, so
-    LR schedules and checkpoints treat it like any optimizer.
-    """
+    """One optimizer for Muon/Aurora groups (matrices) and AdamW groups (embeddings, scalars), each group's
+    `algorithm` picking its update; state_dict and param_groups are torch's own, as in any optimizer."""
 
     def __init__(self, param_groups: list[dict], lr: float = 1e-3, compile: bool = False) -> None:
         defaults = dict(lr=lr, betas=BETAS, eps=EPS, weight_decay=0.0, momentum=0.95, nesterov=True)
@@ -231,14 +224,10 @@ def build_optimizer(
     scalar_lr: float | None = None,
     compile: bool = False,
 ) -> torch.optim.Optimizer:
-    """The optimizer for `model`, its groups chosen from `model.param_roles()`.
-
-    `lr` is the optimizer's main rate (default DEFAULT_LR[name]): every parameter's for "adamw", the matrices' for
-    "muon" and "aurora", whose embeddings and scalars take AdamW at `adamw_lr` (scalars at `scalar_lr` if given).
-    Weight decay is decoupled and applies to matrices and embeddings, never to scalars. `compile` compiles the
-    muon/aurora orthogonalizations and, on CUDA, replays them from CUDA graphs (the training loop passes its compile
-    choice).
-    """
+    """The optimizer for `model`, its groups chosen from `model.param_roles()`. `lr` (default DEFAULT_LR[name]) is
+    every parameter's for "adamw", the matrices' for "muon" and "aurora", whose embeddings and scalars take AdamW at
+    `adamw_lr` (scalars at `scalar_lr` if given). Decoupled weight decay applies to all but scalars. `compile`
+    compiles the orthogonalizations and, on CUDA, replays them from CUDA graphs."""
     if name not in OPTIMIZERS:
         raise PPTError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     lr = DEFAULT_LR[name] if lr is None else lr
@@ -276,11 +265,8 @@ def lr_multiplier(
     cooldown_frac: float = 0.2,
     min_lr_frac: float = 0.0,
 ) -> float:
-    """Multiplier of the base LR at `step` (0-based): linear warmup, then constant, cosine, or warmup-stable-decay.
-
-    cosine decays from 1 after warmup to `min_lr_frac` at `total_steps`; wsd holds 1 and decays linearly to
-    `min_lr_frac` over the last `cooldown_frac` of `total_steps`.
-    """
+    """Multiplier of the base LR at `step` (0-based): linear warmup, then constant, cosine (from 1 to `min_lr_frac`
+    at `total_steps`) or wsd (1, then linear to `min_lr_frac` over the last `cooldown_frac` of `total_steps`)."""
     if schedule not in SCHEDULES:
         raise PPTError(f"unknown LR schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if total_steps <= 0 or warmup_steps < 0 or not 0.0 <= cooldown_frac <= 1.0:

@@ -95,11 +95,9 @@ def kernel_kind(event: object) -> str | None:
 
 
 def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 12) -> str:
-    """Device time per iteration by kind of kernel, and its share of the iteration's wall time; then the `largest`
-    kernels by their own time, with their launches per iteration and full names (the table above cuts names short,
-    and inductor's differ only at the end). A kernel counts once, under the CPU op that launched it (torch's profiler
-    links the two): inside a `ppt::` custom op it is that op's, inside an optimizer's step the optimizer's,
-    elsewhere its name says (KERNEL_KINDS)."""
+    """Device time per iteration by kind of kernel (`kernel_kind`, else KERNEL_KINDS by its name) and its share of the
+    wall time; then the `largest` kernels with their launches per iteration and full names (the table above cuts
+    names short, and inductor's differ only at the end)."""
     per_kernel: dict[tuple[str, str], list[float]] = {}  # (kind, name): [seconds, launches] per iteration
     for event in prof.events():
         if event.device_type != DeviceType.CPU or not event.kernels:
@@ -135,10 +133,8 @@ def kernel_phase(event: object) -> str:
 
 
 def gpu_idle_by_phase(prof: profile, steps: int, min_gap_us: float = 5.0) -> str:
-    """Time per iteration in which no kernel ran, between the recorded iterations' first and last kernel, by the phase
-    of the kernel that ended each gap (kernel_phase): where the GPU waited for the host. Gaps under min_gap_us (the
-    launch-to-launch spacing of back-to-back kernels) are left out. The profiler slows the host, so these are upper
-    bounds on an unprofiled step's gaps."""
+    """Time per iteration in which no kernel ran (gaps from min_gap_us, the spacing of back-to-back launches), by the
+    phase of the kernel that ended each gap: where the GPU waited for the host (upper bounds: the profiler slows it)."""
     # a device event links to the CPU op that launched it by correlation id; those ops are the ones holding kernels
     events = prof.events()
     launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}

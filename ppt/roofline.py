@@ -36,13 +36,9 @@ class Utilization:
 
 
 def utilization(cost: Cost, device: str | torch.device | Device, duration_sec: float | None = None) -> Utilization:
-    """How well each cell (pass, op class, dtype) of `cost` fits `device`.
-
-    Without a duration: the cell's intensity divided by the device's roofline knee for that class and dtype (below
-    1 the cell is memory-bound). With the measured step duration: the cell's achieved FLOP/s divided by its
-    attainable peak, min(peak FLOP/s, intensity * bytes/s); for a compute-bound matmul cell this is its MFU.
-    Cells without FLOPs are left out.
-    """
+    """How well each cell (pass, op class, dtype) with FLOPs fits `device`: its intensity over the device's roofline
+    knee (below 1: memory-bound), or with a measured step duration its achieved FLOP/s over its attainable peak,
+    min(peak FLOP/s, intensity * bytes/s) (for a compute-bound matmul cell, its MFU)."""
     found = known_device(device)
     ratios: dict[Row, dict[torch.dtype, float]] = {}
     for row in cost.rows():
@@ -60,11 +56,8 @@ def utilization(cost: Cost, device: str | torch.device | Device, duration_sec: f
 
 
 def roofline_seconds(cost: Cost, device: str | torch.device | Device) -> dict[OpKey, tuple[float, float]]:
-    """Per kind of op, the least time its FLOPs and its bytes need on the device: (FLOPs / peak, bytes / bandwidth).
-
-    An op alone takes the larger of the two (it is bound by that one); summing over ops assumes they run one after
-    another, unfused, as the byte count does.
-    """
+    """Per kind of op, the least time its FLOPs and its bytes need on the device: (FLOPs / peak, bytes / bandwidth);
+    alone it takes the larger (its bound), and a sum over ops assumes them run one after another, unfused."""
     found = known_device(device)
     return {
         key: (flops / known_peak(found, key[1], key[4]) if flops else 0.0, nbytes / found.bandwidth)

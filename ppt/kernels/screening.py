@@ -119,10 +119,8 @@ def _chunk_terms(q_chunk: Tensor, k: Tensor, window: Tensor, rho: Tensor, doc_st
 def screening_reference(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, meta: tuple[Tensor, Tensor]
 ) -> Tensor:
-    """Plain-PyTorch screening (see the module docstring), chunked over queries so memory stays O(T * chunk).
-
-    Computes in float32 for half-precision inputs and in float64 for float64 inputs; returns v's dtype.
-    """
+    """Plain-PyTorch screening, chunked over queries so memory stays O(T * chunk); computes in float32 (float64 for
+    float64 inputs) and returns v's dtype."""
     _check_inputs(q, k, v, window, rho, meta, param_dtypes=(torch.float32, torch.float64))
     doc_start = meta[0]
     dtype = _compute_dtype(q)
@@ -263,12 +261,9 @@ def _readable(t: Tensor | None) -> bool:
 
 
 def _pair_count(T: int, window: Tensor | None, meta: tuple[Tensor, Tensor] | Tensor | None, B: int, H: int) -> int:
-    """In-window, in-document (query, key) pairs summed over batch and heads.
-
-    Query i has min(ceil(w), doc_pos_i + 1) keys. With readable window and metadata the count is exact; without
-    readable metadata each row counts as one document; without readable window values every pair of the causal
-    triangle counts (T (T + 1) / 2 per row and head), an upper bound.
-    """
+    """In-window, in-document (query, key) pairs summed over batch and heads: query i has min(ceil(w), doc_pos_i + 1)
+    keys. Without readable metadata each row is one document; without readable window values every causal pair
+    counts (T (T + 1) / 2 per row and head), an upper bound."""
     if not _readable(window):
         return B * H * T * (T + 1) // 2
     doc_start = meta[0] if isinstance(meta, tuple) else meta
@@ -286,11 +281,9 @@ def _pair_count(T: int, window: Tensor | None, meta: tuple[Tensor, Tensor] | Ten
 def screening_cost(B: int, T: int, H: int, dK: int, dV: int, window: Tensor | None = None,
                    meta: tuple[Tensor, Tensor] | Tensor | None = None,
                    dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:  # fmt: skip
-    """FLOPs and HBM bytes of one screening call, counting in-window, in-document pairs only (see `_pair_count`).
-
-    Forward: 2 (dK + dV) FLOPs per pair (q.k and alpha m v); backward 4 (dK + dV) (dQ, dK, the score gradient and
-    dV). Bytes, each tensor once: forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv.
-    """
+    """FLOPs and HBM bytes of one call over in-window, in-document pairs (`_pair_count`): forward 2 (dK + dV) FLOPs a
+    pair (q.k and alpha m v), backward 4 (dK + dV) (dQ, dK, the score gradient and dV). Bytes, each tensor once:
+    forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv."""
     pairs = _pair_count(T, window, meta, B, H)
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = B * T * H
