@@ -223,7 +223,7 @@ class Number:
 
     @property
     def accepted(self) -> str:
-        """What the flag takes, in words: 'an integer >= 1', 'a finite number > 0' ..."""
+        """What the flag takes: 'an integer >= 1', 'a whole number >= 1 and <= 1e15 (2e9 notation allowed)'."""
         noun = "a whole number" if self.scientific else "an integer" if self.kind is int else "a finite number"
         text = f"{noun} {'>' if self.above else '>='} {_plain(self.minimum)}"
         if self.maximum < (2**63 - 1 if self.kind is int else math.inf):

@@ -4,7 +4,7 @@
 books every aten op's FLOPs and logical operand bytes (unfused, not measured traffic) by pass (primal, adjoint) and op
 class (matmul, elementwise, reduction, selection). Nothing reads config fields, so an edited model.py is measured as
 written: matmuls by torch.utils.flop_counter's formulas, SDPA as one fused flash op, a custom op by its formula in the
-`OpFormulas` handed over (none raises: it would count as zero). MFU follows nanochat/torchtitan (6N plus 3x the
+`OpFormulas` handed over (one without raises: it would count as zero). MFU follows nanochat/torchtitan (6N plus 3x the
 forward FLOPs of activation-by-activation matmuls, no causal halving); the token mixer calls the trace lists feed
 ppt/comparison_flops.py, and ppt/roofline.py sets the cost against a device.
 
