@@ -1,10 +1,6 @@
-"""Atomic checkpoints: model, optimizer, loader state, RNG states, step and config in one file per step.
-
-A checkpoint is `<dir>/step_<NNNNNNNN>.pt`, written to a temporary name and renamed, so a kill mid-write never
-leaves a file that looks complete (the next save removes the temp file). Old checkpoints are pruned only after the
-new one is complete. Loading uses `weights_only=True`: a checkpoint can hold only tensors and plain containers,
-never code. `latest_checkpoint` skips anything that is not a complete, loadable file.
-"""
+"""Atomic checkpoints `<dir>/step_<NNNNNNNN>.pt`: model, optimizer, loader state, RNG states, step and config, written
+to a temporary name and renamed (a kill mid-write leaves no file that looks complete), old ones pruned only after the
+new one is complete, loaded with `weights_only=True` (tensors and plain containers only, never code)."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return sorted(found)
+    return sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)))
 
 
 def rng_state() -> dict[str, Any]:

@@ -56,7 +56,7 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
 def autodetect_device() -> torch.device:
     if torch.cuda.is_available():  # also true on ROCm builds
         return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
 
@@ -127,13 +127,9 @@ def init_runtime(device: str | None = None) -> Runtime:
 
 
 def wrap_ddp(module: torch.nn.Module, rt: Runtime, find_unused_parameters: bool = False) -> DistributedDataParallel:
-    """DDP for the training step: gradients live in the all-reduce buckets, and buffers are not broadcast per forward.
-
-    A broadcast before every forward is one more collective per micro-batch, where the ranks wait on each other; the
-    shipped models' only buffers are RoPE tables every rank computes alike. A model whose buffers change during
-    training (running statistics) must all-reduce them itself. `find_unused_parameters` (for a model some of whose
-    parameters get no gradient) makes DDP walk the autograd graph after every forward to find them.
-    """
+    """DDP for the training step: gradients live in the all-reduce buckets, and buffers are not broadcast per forward
+    (one more collective per micro-batch, where the ranks wait on each other; the shipped models' only buffers are RoPE
+    tables every rank computes alike, and SPEC.md tells a model whose buffers change to sync them itself)."""
     # newer torch renamed the switch (the old name warns); the new one still syncs buffers once, at construction
     params = inspect.signature(DistributedDataParallel).parameters
     no_forward_sync = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
@@ -159,17 +155,22 @@ def print0(*args: object, **kwargs: object) -> None:
 
 
 def warn0(message: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+    print0(f"warning: {message}", file=sys.stderr)
 
 
-def compile_works(device: torch.device) -> bool:
-    """Compile and run a tiny function; False (with a one-line warning) when the toolchain is unusable."""
+COMPILE_CHOICES = ("auto", "on", "off")  # the --compile values compile_enabled reads
+
+
+def compile_enabled(choice: str, device: torch.device) -> bool:
+    """Whether to torch.compile: choice "on", or "auto" on CUDA, and only where the toolchain works (a tiny function
+    compiles and runs; else a one-line warning)."""
+    if not (choice == "on" or (choice == "auto" and device.type == "cuda")):
+        return False
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x) * 2 + 1
+
     try:
-
-        def probe(x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.silu(x) * 2 + 1
-
         x = torch.randn(8, device=device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -179,15 +180,6 @@ def compile_works(device: torch.device) -> bool:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         warn0(f"torch.compile is unavailable here ({first_line}); running eager")
         return False
-
-
-COMPILE_CHOICES = ("auto", "on", "off")  # the --compile values compile_enabled reads
-
-
-def compile_enabled(choice: str, device: torch.device) -> bool:
-    """Whether to torch.compile: choice "on", or "auto" on CUDA, and only where the toolchain works."""
-    wanted = choice == "on" or (choice == "auto" and device.type == "cuda")
-    return wanted and compile_works(device)
 
 
 def maybe_compile(module: torch.nn.Module, choice: str, device: torch.device, mode: str = "default") -> torch.nn.Module:
@@ -209,8 +201,7 @@ class ArgumentParser(argparse.ArgumentParser):
 @dataclass(frozen=True)
 class Number:
     """An argparse `type=` for a numeric flag: a finite int or float in [minimum, maximum] (minimum excluded when
-    `above`). `scientific` ints may be written 2e9 (token counts). A bad value stops the parser with one line naming
-    the flag, the value and what the flag accepts."""
+    `above`); `scientific` ints may be written 2e9 (token counts)."""
 
     kind: type
     minimum: float
@@ -232,8 +223,7 @@ class Number:
 
     @property
     def accepted(self) -> str:
-        """What the flag takes, in words: 'an integer >= 1', 'a finite number > 0', 'a whole number >= 1 and <= 1e15
-        (2e9 notation allowed)'."""
+        """What the flag takes: 'an integer >= 1', 'a whole number >= 1 and <= 1e15 (2e9 notation allowed)'."""
         noun = "a whole number" if self.scientific else "an integer" if self.kind is int else "a finite number"
         text = f"{noun} {'>' if self.above else '>='} {_plain(self.minimum)}"
         if self.maximum < (2**63 - 1 if self.kind is int else math.inf):

@@ -17,16 +17,9 @@ from ppt.flops import NO_FORMULAS, MixerCall, OpFormulas, traced_step, unwrap_mo
 
 @dataclass
 class ComparisonFlops:
-    """The comparison-FLOPs rule of one model at one row length, described by a traced forward.
-
-    A step's comparison FLOPs are 3 x the forward FLOPs the model's math needs for the tokens trained on: 6 N per
-    token (N: matmul parameters, a tied head once) plus 3 x every token mixer's forward FLOPs over the (query, key)
-    pairs it needs. A query at document position p needs min(reach, p + 1) keys of a head: reach is the row length
-    (the whole document prefix) for causal attention, the window for screening. A mixer whose pairs are not known
-    (no pair formula, no declaration, SDPA with a mask tensor) counts at its traced (dense) forward FLOPs per row;
-    `dense` lists those. A model whose forward cannot be traced on meta gets a rule that says why (`untraced`) and
-    counts 6N alone, N estimated from the parameters.
-    """
+    """The comparison-FLOPs rule of one model at one row length: 6N per token plus 3 x every token mixer's forward
+    FLOPs over the (query, key) pairs it needs, min(reach, p + 1) keys of a head for a query at document position p.
+    A mixer whose pairs are not known counts at its traced (dense) forward FLOPs per row (`dense` lists those)."""
 
     seq_len: int
     params_matmul: int
@@ -105,14 +98,9 @@ class ComparisonFlops:
 
 
 def comparison_flops_rule(model: nn.Module, seq_len: int, formulas: OpFormulas = NO_FORMULAS) -> ComparisonFlops:
-    """The comparison-FLOPs rule of `model` for rows of `seq_len` tokens, read from one traced forward of one row;
-    `formulas` count the model's custom ops (ppt/model.py's OP_FORMULAS).
-
-    Learned reaches (screening windows) are read at the model's current values, so call it again when they may have
-    moved. The trace runs on meta: a fraction of a second for a 360M model. A model that cannot be traced (a forward
-    with value-dependent code, a custom op without a cost formula) gets the `untraced` rule instead of an error, so
-    that it still trains; its `warning()` says what the rule could not count.
-    """
+    """The rule of `model` for rows of `seq_len` tokens, from one traced forward of one row (learned reaches such as
+    screening windows at their current values). A model that cannot be traced gets the `untraced` rule, 6N alone
+    with N every parameter of 2+ dimensions, instead of an error, so that it still trains."""
     model = unwrap_model(model)
     try:
         trace = traced_step(model, 1, seq_len, torch.float32, backward=False, formulas=formulas)

@@ -46,27 +46,20 @@ DEVICES: dict[str, Device] = {
     "mi300x": Device("MI300X", _matmul_peaks(1307.4 * T, 653.7 * T, 2614.9 * T), 163.4 * T, 5.3 * T),
 }
 del T, P
-# torch.cuda.get_device_name() strings, squashed (lowercase, no spaces or dashes), matched in order by substring.
-_NAME_PATTERNS = (("h100pcie", "h100-pcie"), ("h100", "h100"), ("h200", "h200"), ("a100", "a100"),
-                  ("b200", "b200"), ("4090", "rtx4090"), ("5090", "rtx5090"), ("mi300x", "mi300x"))  # fmt: skip
 
 
 def find_device(device: str | torch.device | Device) -> Device | None:
-    """A Device from a table key ("h100"), a CUDA device name ("NVIDIA H100 80GB HBM3") or a torch.device.
-
-    None where the peaks are unknown: CPUs, MPS, GPUs not in the table.
-    """
+    """A Device from a table key ("h100"), a CUDA device name ("NVIDIA H100 80GB HBM3") or a torch.device; None
+    where the peaks are unknown (CPUs, MPS, GPUs not in the table)."""
     if isinstance(device, Device):
         return device
     if isinstance(device, torch.device):
         if device.type != "cuda":
             return None
         device = torch.cuda.get_device_name(device)
-    squashed = "".join(ch for ch in device.lower() if ch.isalnum())
-    for pattern, key in _NAME_PATTERNS:
-        if pattern in squashed:
-            return DEVICES[key]
-    return None
+    squash = lambda name: "".join(ch for ch in name.lower() if ch.isalnum())
+    # a key's letters and digits within the name, the longest key first: h100-pcie before h100
+    return next((DEVICES[key] for key in sorted(DEVICES, key=len, reverse=True) if squash(key) in squash(device)), None)
 
 
 def peak_flops(device: str | torch.device | Device, dtype: torch.dtype = torch.bfloat16) -> float | None:

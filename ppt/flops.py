@@ -1,18 +1,12 @@
-"""Where a training step's compute goes: an analytic cost model derived from the model itself.
+"""Where a training step's compute goes: an analytic cost model derived from the model itself (docs/flops.md).
 
-`cost(model, batch_size, seq_len, dtype, formulas)` runs one forward+backward on the meta device (shapes only: no
-memory, no arithmetic), sees every aten op with its shapes and books its FLOPs and bytes by pass (primal, adjoint) and
-op class (matmul, elementwise, reduction, selection). Bytes are the logical operand I/O of the unfused algorithm, not
-measured traffic. The step runs as training runs it: fp32 parameters, matmuls under autocast to `dtype`. Nothing reads
-config field names, so an edited model.py is measured as written: matmuls count by torch.utils.flop_counter's formulas
-(equal to FlopCounterMode's), SDPA as one fused flash op, a custom op by its formula in the `OpFormulas` handed over
-(model.py's OP_FORMULAS; one without a formula raises, as it would count as zero), an aten op of no class as
-elementwise, listed loudly. docs/flops.md says more.
-
-MFU (`mfu_flops_per_token`) follows nanochat/torchtitan: 6 FLOPs per matmul parameter per token (a tied head once)
-plus three times the forward FLOPs of every activation-by-activation matmul (12*L*H*Q*T per token for SDPA; no causal
-halving). The trace also lists the token mixer calls it sees, from which `ppt/comparison_flops.py` builds the rule runs
-are compared by; `ppt/roofline.py` sets the cost against a device (`python -m scripts.flops` prints it all).
+`cost(model, batch_size, seq_len, dtype, formulas)` runs one forward+backward on the meta device (shapes only) and
+books every aten op's FLOPs and logical operand bytes (unfused, not measured traffic) by pass (primal, adjoint) and op
+class (matmul, elementwise, reduction, selection). Nothing reads config fields, so an edited model.py is measured as
+written: matmuls by torch.utils.flop_counter's formulas, SDPA as one fused flash op, a custom op by its formula in the
+`OpFormulas` handed over (one without raises: it would count as zero). MFU follows nanochat/torchtitan (6N plus 3x the
+forward FLOPs of activation-by-activation matmuls, no causal halving); the token mixer calls the trace lists feed
+ppt/comparison_flops.py, and ppt/roofline.py sets the cost against a device.
 
 Over 400 lines on purpose: the op tables, the dispatch mode that books every op by them and the routing of SDPA into
 one fused op are one mechanism, read together.
@@ -71,18 +65,10 @@ _SELECTION = {  # move or pick elements: gathers, scatters, copies, concatenatio
     "_index_put_impl_", "index_add", "index_add_", "scatter", "scatter_", "scatter_add", "scatter_add_",
     "scatter_reduce", "masked_scatter", "sort", "topk", "argsort", "searchsorted", "bucketize", "nll_loss_backward",
 }  # fmt: skip
-# Scatter-adds do one add per accumulated element: the position of the argument that holds those elements.
-_ACCUMULATED_ARG = {
-    "embedding_dense_backward": 0,
-    "index_add": 3,
-    "index_add_": 3,
-    "scatter_add": 3,
-    "scatter_add_": 3,
-    "scatter_reduce": 3,
-    "index_put": 2,
-    "index_put_": 2,
-    "_index_put_impl_": 2,
-}
+_ACCUMULATED_ARG = {  # scatter-adds do one add per accumulated element: the position of the argument holding them
+    "embedding_dense_backward": 0, "index_add": 3, "index_add_": 3, "scatter_add": 3, "scatter_add_": 3,
+    "scatter_reduce": 3, "index_put": 2, "index_put_": 2, "_index_put_impl_": 2,
+}  # fmt: skip
 # Fused reductions, as FLOPs per element of their first input: softmax is max, subtract, exp, sum, divide; its
 # backward multiply, sum, subtract, multiply; layer norm mean, subtract, square, sum, scale, gain, bias; RMS norm
 # square, sum, scale, gain; norm backwards about twice their forward. nll_loss gathers and sums one per target.
@@ -96,20 +82,11 @@ _REDUCTION_FLOPS_PER_ELEMENT = {
 _PER_TARGET = {"nll_loss_forward", "nll_loss2d_forward"}
 
 
-def _vector_product_flops(*args: object, **kwargs: object) -> int:
-    """mv, addmv, dot, vdot: 2 FLOPs per element of the matrix (or vector) operand."""
-    operands = [a for a in args if isinstance(a, torch.Tensor)]
-    return 2 * max(t.numel() for t in operands)
-
-
-_MATMUL_EXTRA = dict.fromkeys(("mv", "addmv", "dot", "vdot"), _vector_product_flops)
-
+# matrix-vector and vector products torch's flop formulas lack: 2 FLOPs per element of the matrix (or vector) operand
+_MATMUL_EXTRA = dict.fromkeys(
+    ("mv", "addmv", "dot", "vdot"), lambda *args, **kw: 2 * max(t.numel() for t in _tensors(args))
+)
 _SHADOW_MAX = 4096  # parameter-derived tensors up to this size keep real values during the trace (see _Trace)
-
-
-def _distinct_elements(t: torch.Tensor) -> int:
-    """Elements an op must touch: broadcast (stride-0) dimensions hold one copy of the data."""
-    return math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0)
 
 
 def _part(modules: set[str]) -> str:
@@ -138,20 +115,15 @@ def _tensors(tree: object) -> list[torch.Tensor]:
 
 def _compute_dtype(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> torch.dtype:
     """The dtype an op computes in: its first floating operand's, else its first tensor's."""
-    for t in inputs + outputs:
-        if t.dtype.is_floating_point:
-            return t.dtype
-    return (inputs + outputs)[0].dtype
+    return next((t.dtype for t in inputs + outputs if t.dtype.is_floating_point), (inputs + outputs)[0].dtype)
 
 
 @dataclass(frozen=True)
 class OpFormulas:
-    """The formulas of a model's custom ops (ppt/model.py's OP_FORMULAS), keyed by op, op packet or "namespace::name";
-    each is called with the op's own arguments, small learned tensors (a per-head window) holding real values.
-
-    cost: {"flops": matmul FLOPs, "bytes": operand bytes} (or FLOPs per op class, or a bare number of matmul FLOPs),
-    for MFU and the cost table. pairs: for the comparison rule, one (forward FLOPs per needed pair, reach) per head of
-    one row, reach being how many keys back a query needs at most (math.inf: its whole document prefix).
+    """The formulas of a model's custom ops (ppt/model.py's OP_FORMULAS), keyed by op, op packet or "namespace::name"
+    and called with the op's own arguments (small learned tensors holding real values). cost: {"flops": matmul FLOPs,
+    "bytes": operand bytes} (or FLOPs per op class, by class name). pairs: one (forward FLOPs per needed pair, reach)
+    per head of one row, reach being how many keys back a query needs at most (math.inf: its whole document prefix).
     """
 
     cost: Mapping[object, Callable[..., object]] = field(default_factory=dict)
@@ -189,13 +161,10 @@ def _checked_heads(source: str, heads: object) -> list[tuple[float, float]]:
 
 
 class _Trace(TorchDispatchMode):
-    """Sees every aten op of one forward+backward and books its FLOPs and bytes by (pass, op class, dtype).
-
-    It also tags tensors that depend on the batch (the token ids): a matmul with an operand that does not is a
-    weight matmul (its FLOPs give the N of 6N); one whose operands all do is an activation matmul (attention), and
-    is listed as a token mixer call. Small parameter-derived tensors keep real values beside their meta twins
-    ("shadows"), so a cost formula sees, say, a learned per-head window and counts only in-window pairs.
-    """
+    """Sees every aten op of one forward+backward and books its FLOPs and bytes by (pass, op class, dtype). Tensors
+    that depend on the batch (the token ids) are tagged: a matmul with a matrix operand that does not is a weight
+    matmul (the N of 6N), one whose operands all do a token mixer call. Small parameter-derived tensors keep real
+    values beside their meta twins ("shadows"), so a cost formula sees, say, a learned per-head window."""
 
     def __init__(self, params: list[torch.Tensor], shadows: list[tuple[torch.Tensor, torch.Tensor]],
                  autocast: torch.dtype | None, formulas: OpFormulas, rows: int) -> None:  # fmt: skip
@@ -225,11 +194,8 @@ class _Trace(TorchDispatchMode):
             self._batch_dependent[t] = True
 
     def cast(self, x: object) -> object:
-        """A matmul operand in the autocast dtype, as torch.autocast runs matmuls on the GPU.
-
-        As with autocast, a parameter is cast once per step and an activation once per use; the backward reuses the
-        forward's copies. A cast is booked as a selection: a read in the source dtype, a write in the autocast dtype.
-        """
+        """A matmul operand in the autocast dtype, as autocast casts it: a parameter once per step, an activation once
+        per use, the backward reusing the forward's copies; booked as a selection (a read, then a write)."""
         if not isinstance(x, torch.Tensor) or self.autocast in (None, x.dtype) or not x.is_floating_point():
             return x
         key = x.untyped_storage()._cdata  # by storage, so every view of a tensor finds its copy
@@ -287,10 +253,6 @@ class _Trace(TorchDispatchMode):
         self.attention_flops += flops
         self.mixers.append(MixerCall(self.op_name, _part(self.modules.parents), flops / self.rows, heads))
 
-    def _is_weight_matmul(self, inputs: list[torch.Tensor]) -> bool:
-        matrices = [t for t in inputs if t.dtype.is_floating_point and t.dim() >= 2]
-        return any(t not in self._batch_dependent for t in matrices)
-
     def record(self, op_class: str, flops: float, dtype: torch.dtype, operands: list[torch.Tensor],
                total_bytes: float | None = None) -> None:  # fmt: skip
         row = (self.phase, op_class)
@@ -300,8 +262,8 @@ class _Trace(TorchDispatchMode):
         if total_bytes is not None:
             self.bytes[row][dtype] += total_bytes
             booked[1] += total_bytes
-        for t in operands:
-            nbytes = _distinct_elements(t) * t.element_size()
+        for t in operands:  # broadcast (stride-0) dimensions hold one copy of the data
+            nbytes = math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0) * t.element_size()
             self.bytes[row][t.dtype] += nbytes
             booked[1] += nbytes
 
@@ -337,10 +299,11 @@ class _Trace(TorchDispatchMode):
             self.record("elementwise", sum(t.numel() for t in outputs), dtype, operands)
 
     def _mixes(self, flops: float, inputs: list[torch.Tensor]) -> bool:
-        """Whether forward matmul FLOPs mix tokens (activation by activation); weight FLOPs are booked here."""
+        """Whether forward matmul FLOPs mix tokens (every matrix operand depends on the batch); weight FLOPs (a matrix
+        operand that does not) are booked here."""
         if self.phase != "primal":
             return False
-        if self._is_weight_matmul(inputs):
+        if any(t not in self._batch_dependent for t in inputs if t.dtype.is_floating_point and t.dim() >= 2):
             self.weight_flops += flops
             return False
         return bool(flops)
@@ -390,10 +353,8 @@ class _Trace(TorchDispatchMode):
 
 
 def _parse_formula_result(func: object, result: object) -> tuple[dict[str, float], float | None]:
-    if isinstance(result, (int, float)):
-        return {"matmul": float(result)}, None
     if not isinstance(result, dict) or not (set(result) & {"flops", *OP_CLASSES}):
-        raise PPTError(f"the cost formula of {func} must return a number or a dict with 'flops', got {result!r}")
+        raise PPTError(f"the cost formula of {func} must return a dict with 'flops', got {result!r}")
     flops = {c: float(result[c]) for c in OP_CLASSES if c in result}
     if "flops" in result:
         flops["matmul"] = flops.get("matmul", 0.0) + float(result["flops"])
@@ -569,22 +530,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _meta_twin(t: torch.Tensor) -> torch.Tensor:
-    twin = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
-
-
 def declare_token_mixer(heads: list[tuple[float, float]]) -> None:
-    """For the comparison-FLOPs rule: the pairs the token mixer calling this needs, per row of the batch, one
-    (forward FLOPs per needed pair, reach) per head, as a pair formula gives them. A query at document position p needs
-    min(reach, p + 1) pairs of a head: reach math.inf for causal attention over the whole prefix, the window for a
-    windowed mixer, 1 for a mixer whose cost per query does not grow with its prefix (linear attention, a recurrence,
-    a state-space scan; the pair's FLOPs are then its forward FLOPs per token and head).
-
-    Call it in the mixer module's forward, once a call. Whatever else that module part does is then not counted as a
-    mixer (its matmuls between activations still count for MFU). Only the trace's torch function mode books the call:
-    in training it does nothing, and torch.compile folds it away (no graph break). docs/flops.md has an example.
-    """
+    """For the comparison-FLOPs rule, in a token mixer module's forward, once a call: the pairs it needs per row, one
+    (forward FLOPs per needed pair, reach) per head as a pair formula gives them (reach math.inf for the whole prefix,
+    the window, or 1 for a cost per query that does not grow with the prefix; docs/flops.md). The module part's other
+    matmuls between activations then count for MFU only. Outside the trace it does nothing (no graph break)."""
     if torch._C._is_torch_function_mode_enabled():
         handle_torch_function(declare_token_mixer, (), heads)
 
@@ -592,10 +542,9 @@ def declare_token_mixer(heads: list[tuple[float, float]]) -> None:
 def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, backward: bool,
                 formulas: OpFormulas) -> _Trace:  # fmt: skip
     """Run `model` on meta twins of its tensors under a _Trace: the forward, and the backward when asked."""
-    if batch_size < 1 or seq_len < 1:
-        raise PPTError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
     originals = dict(model.named_parameters()) | dict(model.named_buffers())
-    twins = {name: _meta_twin(t) for name, t in originals.items()}
+    twins = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in originals.items()}
+    twins |= {name: nn.Parameter(twins[name], requires_grad=p.requires_grad) for name, p in model.named_parameters()}
     shadows = [
         (twins[name], t.detach().cpu())
         for name, t in originals.items()
@@ -627,15 +576,9 @@ def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dt
 
 def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16,
          formulas: OpFormulas = NO_FORMULAS) -> Cost:  # fmt: skip
-    """Trace one training step of `model` (loss = model(idx, targets); loss.backward()) on the meta device.
-
-    The model itself is not touched: for the trace its parameters and buffers are replaced by meta tensors of
-    the same shapes and dtypes. The step runs as training runs it, under autocast to a 16-bit `dtype` (fp32 and
-    fp64 mean no autocast): matmuls and SDPA cast their operands to `dtype` (each tensor once, booked as a copy);
-    other ops run in whatever dtype reaches them (autocast's fp32 list is not emulated). `formulas` count the
-    model's custom ops; small learned tensors (up to 4096 elements, e.g. per-head windows) reach them with their
-    values when the model has any.
-    """
+    """Trace one training step of `model` (loss = model(idx, targets); loss.backward()) on meta twins of its tensors,
+    the model untouched. Under autocast to a 16-bit `dtype` (fp32: none) matmuls and SDPA cast their operands (each
+    tensor once, booked as a copy); other ops run in whatever dtype reaches them. `formulas` count the custom ops."""
     model = unwrap_model(model)
     trace = traced_step(model, batch_size, seq_len, dtype, backward=True, formulas=formulas)
     if trace.unclassified:
@@ -651,16 +594,13 @@ def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = t
         bytes={row: dict(cell) for row, cell in trace.bytes.items()},
         attention_flops=trace.attention_flops,
         unclassified=dict(trace.unclassified),
-        ops={key: (flops, nbytes) for key, (flops, nbytes) in trace.ops.items()},
+        ops={key: tuple(booked) for key, booked in trace.ops.items()},
     )
 
 
 def mfu_flops_per_token(model: nn.Module, seq_len: int, formulas: OpFormulas = NO_FORMULAS) -> dict[str, float]:
-    """Training FLOPs per token for MFU, traced once (call at start-up, not every step).
-
-    Returns {"mfu": the convention figure (6N + attention), "6n": 6N alone, "attention": the attention term,
-    "params_matmul": N, "per_token": FLOPs and bytes per token by pass and op class}.
-    """
+    """Training FLOPs per token, traced once: {"mfu": 6N + attention, "6n", "attention", "params_matmul": N,
+    "per_token": FLOPs and bytes per token by pass and op class}."""
     step = cost(model, batch_size=1, seq_len=seq_len, formulas=formulas)
     return {
         "mfu": step.flops_per_token,

@@ -1,9 +1,6 @@
-"""One run per output directory: a lock file that names its owner, taken over when that owner is dead.
-
-`lock_directory(directory, fix)` gives this process sole use of a directory through `<directory>/.ppt.lock`;
-`hold_lock(file, what, fix)` does the same for anything else (a run name). A second run stops with a PPTError naming
-the owner and `fix`. Locks are released by `release_locks()`, at exit, on errors and on signals.
-"""
+"""One run per output directory: a lock file that names its owner, taken over when that owner is dead (SPEC.md).
+`lock_directory` locks a directory through `<directory>/.ppt.lock`, `hold_lock` anything else (a run name); locks are
+released by `release_locks()`, at exit, on errors and on signals."""
 
 from __future__ import annotations
 
@@ -92,9 +89,8 @@ def _read_owner(lock_file: Path, what: str) -> dict | None:
 
 def _describe_owner(owner: dict) -> str:
     command = " ".join(str(arg) for arg in owner.get("argv", []))
-    return f"pid {owner['pid']} on {owner.get('host')}, started {owner.get('started')}" + (
-        f" (`{command}`)" if command else ""
-    )
+    described = f"pid {owner['pid']} on {owner.get('host')}, started {owner.get('started')}"
+    return described + (f" (`{command}`)" if command else "")
 
 
 def directory_user(directory: Path) -> str | None:
@@ -114,12 +110,9 @@ def lock_directory(directory: Path, fix: str, made_by_this_run: bool = False) ->
 
 
 def hold_lock(lock_file: Path, what: str, fix: str, remove_empty_dir: bool = False) -> Lock:
-    """Give this process sole use of `what` through `lock_file` until `release_locks()` or exit.
-
-    A live owner on this host, or any owner on another host (whose liveness this host cannot see), stops this run
-    with a PPTError naming the owner and `fix`. A lock left by a dead process on this host is taken over, with a
-    warning. The lock file appears whole or not at all (hard-linked from a complete temp file).
-    """
+    """Give this process sole use of `what` through `lock_file` until `release_locks()` or exit. A live owner on this
+    host, or any owner on another host (whose liveness this host cannot see), stops this run with a PPTError naming the
+    owner and `fix`; a dead one's lock is taken over with a warning. The file appears whole (hard-linked from temp)."""
     lock_file = Path(lock_file)
     host = socket.gethostname()
     owner = {

@@ -1,14 +1,9 @@
-"""Validation NLL (nats/token) and bits-per-byte, the same code for every architecture.
+"""Validation NLL (nats/token) and bits-per-byte, the same code for every architecture (SPEC.md, "Measurement").
 
-bits-per-byte = sum of target-token NLL (nats) / (ln 2 * sum of raw bytes of those target tokens), over targets
-that are ordinary tokens: special tokens (0 bytes, e.g. EOT) are excluded from both sums, and ignored targets
-(-1) from everything. Bytes come from `Tokenizer.token_bytes()`, the raw bytes each token stands for, so a token
-holding part of a UTF-8 character counts only the bytes it holds.
-
-`nll` is the mean over every non-ignored target, EOT included (the usual "val loss"). Sums are accumulated in
-float64 in a fixed order and all-reduced across ranks, so the numbers do not depend on the batch size or the world
-size for the same token budget, and the same checkpoint on the same data gives the same numbers every time.
-Document boundaries are the loader's `doc_pos`: no token is predicted from another document.
+bits-per-byte = sum of target-token NLL (nats) / (ln 2 * sum of raw bytes of those targets, `Tokenizer.token_bytes()`)
+over ordinary tokens: special tokens (0 bytes, e.g. EOT) are left out of both sums, ignored targets (-1) out of
+everything. `nll` is the mean over every non-ignored target, EOT included. Sums are float64 in a fixed order,
+all-reduced across ranks, so the same checkpoint and token budget give the same numbers at any batch or world size.
 """
 
 from __future__ import annotations
@@ -55,7 +50,10 @@ def evaluate_bpb(
         for inputs, targets, doc_pos in batches:
             rows = rows or inputs.shape[0]
             if inputs.shape[0] < rows:  # pad a short last batch with ignored rows: a compiled model sees one shape
-                inputs, targets, doc_pos = pad_rows(inputs, targets, doc_pos, rows)
+                extra = rows - inputs.shape[0]
+                inputs = torch.cat([inputs, inputs.new_zeros(extra, inputs.shape[1])])
+                targets = torch.cat([targets, targets.new_full((extra, targets.shape[1]), -1)])
+                doc_pos = None if doc_pos is None else torch.cat([doc_pos, doc_pos[:1].expand(extra, -1)])
             with_autograd = scores_with_autograd(compiled, inputs.device)  # the graph is freed with each batch
             with autocast(inputs.device, dtype), torch.set_grad_enabled(with_autograd):
                 nll = model(inputs, targets, doc_pos, reduction="none").detach()
@@ -84,14 +82,3 @@ def evaluate_bpb(
         "tokens": int(tokens),
         "bytes": int(nbytes),
     }
-
-
-def pad_rows(
-    inputs: Tensor, targets: Tensor, doc_pos: Tensor | None, rows: int
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Append rows with every target ignored (-1), up to `rows`."""
-    extra = rows - inputs.shape[0]
-    inputs = torch.cat([inputs, inputs.new_zeros(extra, inputs.shape[1])])
-    targets = torch.cat([targets, targets.new_full((extra, targets.shape[1]), -1)])
-    doc_pos = None if doc_pos is None else torch.cat([doc_pos, doc_pos[:1].expand(extra, -1)])
-    return inputs, targets, doc_pos

@@ -24,6 +24,7 @@ from ppt.common import PPTError
 ROLES = ("matrix", "embedding", "scalar")
 OPTIMIZERS = ("adamw", "muon", "aurora")
 DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02, "aurora": 2**-3}  # the main rate of each (matrices for muon, aurora)
+BETAS, EPS = (0.9, 0.95), 1e-8  # AdamW's, wherever it runs
 
 # Tuned quintic coefficients (Keller Jordan's Muon): pushes singular values to roughly [0.7, 1.2] in 5 steps.
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -32,10 +33,8 @@ POLAR_COEFFICIENTS = (2.0, -1.5, 0.5)
 
 
 def newton_schulz(G: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
-    """Approximate orthogonalization U V^T of G = U S V^T over the last two dims (leading dims are a batch).
-
-    Runs in bf16 on CUDA (tensor cores; the iteration tolerates it) and fp32 elsewhere; returns G's dtype.
-    """
+    """Approximate orthogonalization U V^T of G = U S V^T over the last two dims (leading dims are a batch), in bf16
+    on CUDA (tensor cores; the iteration tolerates it) and fp32 elsewhere; returns G's dtype."""
     a, b, c = coefficients
     X = G.bfloat16() if G.is_cuda else G.float()
     wide = X.size(-2) <= X.size(-1)
@@ -56,12 +55,10 @@ def newton_schulz(G: torch.Tensor, steps: int, coefficients: tuple[float, float,
 def aurora_direction(
     G: torch.Tensor, preconditioner_steps: int = 2, beta: float = 0.5, eps: float = 1e-7
 ) -> torch.Tensor:
-    """Polar factor of D G, where the diagonal D rebalances rows so a tall m x n result has rows of equal norm.
-
-    An m x n (m > n) orthogonal-column matrix has mean squared row norm n / m; plain orthogonalization lets some rows
-    carry far more of the update than others. Each preconditioner step rescales rows toward that target (damped by
-    the exponent `beta`) and re-orthogonalizes. Square matrices need no balancing; wide ones are handled transposed.
-    """
+    """Polar factor of D G, the diagonal D rebalancing rows so a tall m x n result has rows of equal norm: plain
+    orthogonalization lets some rows carry far more of the update than others. Each preconditioner step rescales rows
+    toward the mean squared row norm n / m (damped by the exponent `beta`) and re-orthogonalizes; square matrices need
+    no balancing, wide ones are handled transposed."""
     m, n = G.size(-2), G.size(-1)
     if m == n:
         return newton_schulz(G, 12, POLAR_COEFFICIENTS)
@@ -106,14 +103,11 @@ class GraphedOnCuda:
 
 
 class HybridOptimizer(torch.optim.Optimizer):
-    """One optimizer for Muon/Aurora groups (matrices) and AdamW groups (embeddings, scalars).
-
-    Each group's `algorithm` picks its update; state_dict, load_state_dict and param_groups are torch's own, so
-    LR schedules and checkpoints treat it like any optimizer.
-    """
+    """One optimizer for Muon/Aurora groups (matrices) and AdamW groups (embeddings, scalars), each group's
+    `algorithm` picking its update; state_dict and param_groups are torch's own, as in any optimizer."""
 
     def __init__(self, param_groups: list[dict], lr: float = 1e-3, compile: bool = False) -> None:
-        defaults = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95, nesterov=True)
+        defaults = dict(lr=lr, betas=BETAS, eps=EPS, weight_decay=0.0, momentum=0.95, nesterov=True)
         super().__init__(param_groups, defaults)
         # The orthogonalizations are hundreds of small batched ops (an Aurora step over multiscreen-d16: 144 matmuls
         # among ~800 ops). The step runs right after the loop's host sync, so the GPU idles while the host issues
@@ -126,11 +120,7 @@ class HybridOptimizer(torch.optim.Optimizer):
             self.aurora_direction = GraphedOnCuda(torch.compile(self.aurora_direction, dynamic=False))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self) -> None:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -139,7 +129,6 @@ class HybridOptimizer(torch.optim.Optimizer):
                 self._adamw_update(params, group)
             else:
                 self._orthogonal_updates(params, group)
-        return loss
 
     # Both updates treat a group's tensors as lists (torch._foreach_*): a handful of launches per group instead of
     # several per parameter, since a step of small tensors is bound by how fast the host issues kernels.
@@ -183,14 +172,11 @@ class HybridOptimizer(torch.optim.Optimizer):
         by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)  # (rows, cols) of the tall form -> params
         for i, p in enumerate(params):
             by_shape[(max(p.shape[-2:]), min(p.shape[-2:]))].append(i)
+        direction = self.muon_direction if group["algorithm"] == "muon" else self.aurora_direction
         directions: list[torch.Tensor] = [torch.empty(0)] * len(params)
         for (rows, cols), indices in by_shape.items():
             tall = [updates[i] if updates[i].shape[-2] == rows else updates[i].mT for i in indices]
-            stacked = torch.cat([u.reshape(-1, rows, cols) for u in tall])
-            if group["algorithm"] == "muon":
-                stacked = self.muon_direction(stacked)
-            else:
-                stacked = self.aurora_direction(stacked)
+            stacked = direction(torch.cat([u.reshape(-1, rows, cols) for u in tall]))
             for i, u, d in zip(indices, tall, stacked.split([u.numel() // (rows * cols) for u in tall])):
                 d = d.view(u.shape)
                 directions[i] = d if d.shape == params[i].shape else d.mT
@@ -233,21 +219,15 @@ def build_optimizer(
     name: str = "adamw",
     lr: float | None = None,
     weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
     momentum: float = 0.95,
     adamw_lr: float = 3e-3,
     scalar_lr: float | None = None,
     compile: bool = False,
 ) -> torch.optim.Optimizer:
-    """The optimizer for `model`, its groups chosen from `model.param_roles()`.
-
-    `lr` is the optimizer's main rate (default DEFAULT_LR[name]): every parameter's for "adamw", the matrices' for
-    "muon" and "aurora", whose embeddings and scalars take AdamW at `adamw_lr` (scalars at `scalar_lr` if given).
-    Weight decay is decoupled and applies to matrices and embeddings, never to scalars. `compile` compiles the
-    muon/aurora orthogonalizations and, on CUDA, replays them from CUDA graphs (the training loop passes its compile
-    choice).
-    """
+    """The optimizer for `model`, its groups chosen from `model.param_roles()`. `lr` (default DEFAULT_LR[name]) is
+    every parameter's for "adamw", the matrices' for "muon" and "aurora", whose embeddings and scalars take AdamW at
+    `adamw_lr` (scalars at `scalar_lr` if given). Decoupled weight decay applies to all but scalars. `compile`
+    compiles the orthogonalizations and, on CUDA, replays them from CUDA graphs."""
     if name not in OPTIMIZERS:
         raise PPTError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     lr = DEFAULT_LR[name] if lr is None else lr
@@ -258,16 +238,16 @@ def build_optimizer(
             continue
         group = dict(params=[p for _, p in named], role=role, weight_decay=0.0 if role == "scalar" else weight_decay)
         if name == "adamw":
-            group |= dict(algorithm="adamw", lr=lr, betas=betas, eps=eps)
+            group |= dict(algorithm="adamw", lr=lr, betas=BETAS, eps=EPS)
         elif role == "matrix":
             group |= dict(algorithm=name, lr=lr, momentum=momentum, nesterov=True)
         else:
             rate = scalar_lr if role == "scalar" and scalar_lr is not None else adamw_lr
-            group |= dict(algorithm="adamw", lr=rate, betas=betas, eps=eps)
+            group |= dict(algorithm="adamw", lr=rate, betas=BETAS, eps=EPS)
         groups.append(group | dict(initial_lr=group["lr"]))
     if name == "adamw":
         fused = all(p.is_cuda for g in groups for p in g["params"])
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+        return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, fused=fused or None)
     return HybridOptimizer(groups, lr=lr, compile=compile)
 
 
@@ -285,11 +265,8 @@ def lr_multiplier(
     cooldown_frac: float = 0.2,
     min_lr_frac: float = 0.0,
 ) -> float:
-    """Multiplier of the base LR at `step` (0-based): linear warmup, then constant, cosine, or warmup-stable-decay.
-
-    cosine decays from 1 after warmup to `min_lr_frac` at `total_steps`; wsd holds 1 and decays linearly to
-    `min_lr_frac` over the last `cooldown_frac` of `total_steps`.
-    """
+    """Multiplier of the base LR at `step` (0-based): linear warmup, then constant, cosine (from 1 to `min_lr_frac`
+    at `total_steps`) or wsd (1, then linear to `min_lr_frac` over the last `cooldown_frac` of `total_steps`)."""
     if schedule not in SCHEDULES:
         raise PPTError(f"unknown LR schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if total_steps <= 0 or warmup_steps < 0 or not 0.0 <= cooldown_frac <= 1.0:

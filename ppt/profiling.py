@@ -1,16 +1,11 @@
-"""torch.profiler over a few iterations of the real training loop, and where their time went.
-
-`StepProfiler(device, first, steps)` records `steps` loop iterations after `first` others and one warm-up; call its
-`step()` at the start of every iteration and `stop()` after the loop. When the recorded iterations are done it prints
-the kernels (CUDA) or ops (CPU) that took the most time and, on CUDA, device time per kind of kernel against the
-iterations' wall time, so that time in which no kernel ran shows up too, the largest kernels by their full names,
-and where in the step the GPU sat idle.
-"""
+"""torch.profiler over a few iterations of the real training loop, and where their time went: the top kernels (CUDA)
+or ops (CPU) and, on CUDA, device time per kind of kernel against wall time, and where in the step the GPU sat idle."""
 
 from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
@@ -34,9 +29,12 @@ AUTOGRAD_ENGINE = "autograd::engine::evaluate_function"  # the autograd engine's
 
 
 class StepProfiler:
-    def __init__(self, device: torch.device, first: int, steps: int, rows: int = 30) -> None:
+    """Records `steps` loop iterations after `first` others and one warm-up, and prints its report when they are done.
+    Call `step()` at the start of every iteration and `stop()` after the loop."""
+
+    def __init__(self, device: torch.device, first: int, steps: int) -> None:
         self.cuda = device.type == "cuda"
-        self.steps, self.rows = steps, rows
+        self.steps = steps
         self.recording_since: float | None = None
         self.reported = False
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -71,7 +69,7 @@ class StepProfiler:
         self._synchronize()
         wall = (time.perf_counter() - self.recording_since) / self.steps
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=self.rows, max_name_column_width=70), flush=True)
+        print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70), flush=True)
         print(f"wall time per iteration: {1000 * wall:.1f} ms over {self.steps} recorded", flush=True)
         if self.cuda:
             print(kernel_time_by_kind(prof, self.steps, wall), flush=True)
@@ -97,11 +95,9 @@ def kernel_kind(event: object) -> str | None:
 
 
 def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 12) -> str:
-    """Device time per iteration by kind of kernel, and its share of the iteration's wall time; then the `largest`
-    kernels by their own time, with their launches per iteration and full names (the table above cuts names short,
-    and inductor's differ only at the end). A kernel counts once, under the CPU op that launched it (torch's profiler
-    links the two): inside a `ppt::` custom op it is that op's, inside an optimizer's step the optimizer's,
-    elsewhere its name says (KERNEL_KINDS)."""
+    """Device time per iteration by kind of kernel (`kernel_kind`, else KERNEL_KINDS by its name) and its share of the
+    wall time; then the `largest` kernels with their launches per iteration and full names (the table above cuts
+    names short, and inductor's differ only at the end)."""
     per_kernel: dict[tuple[str, str], list[float]] = {}  # (kind, name): [seconds, launches] per iteration
     for event in prof.events():
         if event.device_type != DeviceType.CPU or not event.kernels:
@@ -112,9 +108,9 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 1
             seconds_launches = per_kernel.setdefault((kind, kernel.name), [0.0, 0.0])
             seconds_launches[0] += kernel.duration / 1e6 / steps
             seconds_launches[1] += 1 / steps
-    per_kind: dict[str, float] = {}
+    per_kind: Counter = Counter()
     for (kind, _), (seconds, _) in per_kernel.items():
-        per_kind[kind] = per_kind.get(kind, 0.0) + seconds
+        per_kind[kind] += seconds
     busy = sum(per_kind.values())
     lines = [f"kernels {1000 * busy:.1f} ms per iteration ({100 * busy / wall:.1f}% of the wall time)"]
     for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
@@ -137,10 +133,8 @@ def kernel_phase(event: object) -> str:
 
 
 def gpu_idle_by_phase(prof: profile, steps: int, min_gap_us: float = 5.0) -> str:
-    """Time per iteration in which no kernel ran, between the recorded iterations' first and last kernel, by the phase
-    of the kernel that ended each gap (kernel_phase): where the GPU waited for the host. Gaps under min_gap_us (the
-    launch-to-launch spacing of back-to-back kernels) are left out. The profiler slows the host, so these are upper
-    bounds on an unprofiled step's gaps."""
+    """Time per iteration in which no kernel ran (gaps from min_gap_us, the spacing of back-to-back launches), by the
+    phase of the kernel that ended each gap: where the GPU waited for the host (upper bounds: the profiler slows it)."""
     # a device event links to the CPU op that launched it by correlation id; those ops are the ones holding kernels
     events = prof.events()
     launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}
@@ -150,14 +144,14 @@ def gpu_idle_by_phase(prof: profile, steps: int, min_gap_us: float = 5.0) -> str
     )
     if not kernels:
         return "no kernels recorded"
-    idle: dict[str, float] = {}
+    idle: Counter = Counter()
     gaps = 0
     busy_until = kernels[0].time_range.end
     for kernel in kernels[1:]:
         if kernel.time_range.start - busy_until >= min_gap_us:
             launch = launches.get(getattr(kernel, "linked_correlation_id", None))
             phase = kernel_phase(launch) if launch else "kernels with no launching op recorded"
-            idle[phase] = idle.get(phase, 0.0) + (kernel.time_range.start - busy_until) / 1e3 / steps
+            idle[phase] += (kernel.time_range.start - busy_until) / 1e3 / steps
             gaps += 1
         busy_until = max(busy_until, kernel.time_range.end)
     span = (busy_until - kernels[0].time_range.start) / 1e3 / steps

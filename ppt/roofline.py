@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ppt.common import PPTError
 from ppt.devices import Device, find_device, known_device, known_peak
 from ppt.flops import OP_CLASSES, Cost, OpKey, Row
 from ppt.formatting import dtype_name, dtype_order, si, text_table
@@ -19,8 +18,6 @@ from ppt.formatting import dtype_name, dtype_order, si, text_table
 class Utilization:
     """Per-cell ratios (row, dtype) of a cost on a device; see `utilization` for what they mean."""
 
-    device: str
-    duration_sec: float | None
     ratios: dict[Row, dict[torch.dtype, float]]
 
     @property
@@ -39,16 +36,10 @@ class Utilization:
 
 
 def utilization(cost: Cost, device: str | torch.device | Device, duration_sec: float | None = None) -> Utilization:
-    """How well each cell (pass, op class, dtype) of `cost` fits `device`.
-
-    Without a duration: the cell's intensity divided by the device's roofline knee for that class and dtype (below
-    1 the cell is memory-bound). With the measured step duration: the cell's achieved FLOP/s divided by its
-    attainable peak, min(peak FLOP/s, intensity * bytes/s); for a compute-bound matmul cell this is its MFU.
-    Cells without FLOPs are left out.
-    """
+    """How well each cell (pass, op class, dtype) with FLOPs fits `device`: its intensity over the device's roofline
+    knee (below 1: memory-bound), or with a measured step duration its achieved FLOP/s over its attainable peak,
+    min(peak FLOP/s, intensity * bytes/s) (for a compute-bound matmul cell, its MFU)."""
     found = known_device(device)
-    if duration_sec is not None and duration_sec <= 0:
-        raise PPTError(f"duration_sec must be positive, got {duration_sec}")
     ratios: dict[Row, dict[torch.dtype, float]] = {}
     for row in cost.rows():
         for dtype, flops in cost.flops.get(row, {}).items():
@@ -61,15 +52,12 @@ def utilization(cost: Cost, device: str | torch.device | Device, duration_sec: f
             else:
                 ratio = (flops / duration_sec) / min(peak, intensity * found.bandwidth)
             ratios.setdefault(row, {})[dtype] = ratio
-    return Utilization(found.name, duration_sec, ratios)
+    return Utilization(ratios)
 
 
 def roofline_seconds(cost: Cost, device: str | torch.device | Device) -> dict[OpKey, tuple[float, float]]:
-    """Per kind of op, the least time its FLOPs and its bytes need on the device: (FLOPs / peak, bytes / bandwidth).
-
-    An op alone takes the larger of the two (it is bound by that one); summing over ops assumes they run one after
-    another, unfused, as the byte count does.
-    """
+    """Per kind of op, the least time its FLOPs and its bytes need on the device: (FLOPs / peak, bytes / bandwidth);
+    alone it takes the larger (its bound), and a sum over ops assumes them run one after another, unfused."""
     found = known_device(device)
     return {
         key: (flops / known_peak(found, key[1], key[4]) if flops else 0.0, nbytes / found.bandwidth)
@@ -95,12 +83,6 @@ def _roofline_table(step: Cost, seconds: dict[OpKey, tuple[float, float]], group
     return text_table([["flops", "bytes", "intensity", "ms", "share", "memory-bound"]], body)
 
 
-def _peaks_table(device: Device, dtype: torch.dtype) -> str:
-    body = [(c, [si(device.peak(c, dtype) or 0), si(device.bandwidth), si(device.knee(c, dtype) or 0)])
-            for c in OP_CLASSES]  # fmt: skip
-    return text_table([["flops", "bytes", "intensity"], [dtype_name(dtype), "/s", "knee"]], body)
-
-
 def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype,
            duration_sec: float | None = None) -> str:  # fmt: skip
     """The CLI's text: the cost table, FLOPs per token, the device table, utilization and roofline time."""
@@ -116,7 +98,10 @@ def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype,
         lines += ["", f"device {device}: peak rates unknown, no roofline"]
         return "\n".join(lines)
     name = dtype_name(dtype).upper()
-    lines += ["", f"{found.name} peaks ({name}):", _peaks_table(found, dtype), ""]
+    peaks = [(c, [si(found.peak(c, dtype) or 0), si(found.bandwidth), si(found.knee(c, dtype) or 0)])
+             for c in OP_CLASSES]  # fmt: skip
+    peaks_table = text_table([["flops", "bytes", "intensity"], [dtype_name(dtype), "/s", "knee"]], peaks)
+    lines += ["", f"{found.name} peaks ({name}):", peaks_table, ""]
     knee, matmul_intensity = found.knee("matmul", dtype), step.intensity(("primal", "matmul"), dtype)
     if knee and matmul_intensity:
         lines.append(

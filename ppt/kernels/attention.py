@@ -1,14 +1,9 @@
-"""Document-masked causal attention for the vanilla decoder.
-
-Token t of a packed row sees key s iff t - doc_pos[t] <= s <= t (its own document, causally). Two paths compute
-the same thing:
-- `reference`: SDPA with a dense boolean (B, 1, T, T) mask. Runs anywhere; it reads the whole mask and cannot skip
-  work, so it is the CPU path and the correctness oracle.
-- FlexAttention (CUDA, inside torch.compile, training): a block-sparse mask built once per batch; tiles wholly
-  outside a document are skipped and tiles wholly inside one run unmasked.
-Plain causal rows (doc_pos None) go to SDPA's causal flash kernel on every device.
-
-Call `document_mask(doc_pos)` once per forward and pass its result to `attention` in every layer.
+"""Document-masked causal attention for the vanilla decoder: token t of a packed row sees key s iff
+t - doc_pos[t] <= s <= t (its own document, causally). Plain causal rows (doc_pos None) take SDPA's causal flash
+kernel; document masks take FlexAttention's block-sparse mask on CUDA inside torch.compile (tiles outside a document
+skipped, tiles inside one unmasked), elsewhere SDPA with a dense boolean (B, 1, T, T) mask, which runs anywhere and
+is the correctness oracle. Call `document_mask(doc_pos)` once per forward and pass its result to `attention` in every
+layer.
 """
 
 from __future__ import annotations
@@ -63,15 +58,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None) 
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if isinstance(mask, Tensor):
-        return reference(q, k, v, mask)
+        if gqa:  # the dense mask's memory-efficient kernel wants as many KV heads as query heads
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     from torch.nn.attention.flex_attention import flex_attention  # a BlockMask: document_mask imported the module
 
     return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-
-
-def reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Dense-mask SDPA; the memory-efficient kernel wants as many KV heads as query heads, so expand them."""
-    if q.shape[1] != k.shape[1]:
-        repeat = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

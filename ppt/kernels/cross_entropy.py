@@ -5,21 +5,15 @@ For logits z (N, V) and targets t (N,) (-1 = ignored), n_kept = #{i : t_i != -1}
     loss = (1 / n_kept) sum over kept rows i of (logsumexp_j z_ij - z_i,t_i)     F.cross_entropy(z.float(), t, -1)
     g    = d loss / d z = (softmax(z) - onehot(t)) / n_kept on kept rows, 0 on ignored ones
 
-`linear_cross_entropy(x, weight, targets)` is F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1)
-whose backward never passes over the (N, V) logits elementwise. Its forward takes the head's matmul, then the op
-`ppt::cross_entropy_grad_` (one Triton program per row on CUDA: two reads of the row, the second mostly from L2, and
-g written over it), and keeps g in the logits' memory. Its backward is the head's two matmuls on g, the incoming
-gradient (1 / gradient-accumulation steps, say) multiplied into their small results: dx = grad (g W) (N, d) and
-dW = grad (g^T x) (V, d). Autograd through F.cross_entropy reads the logits in the forward, again in the backward,
-writes their gradient and multiplies it by the incoming one. The matmuls are plain torch ops, so ppt.flops traces
-them as the same three head matmuls.
-
-Public API:
-    loss = linear_cross_entropy(x, weight, targets)   x (..., d), weight (V, d), targets (...) int64
-    loss = torch.ops.ppt.cross_entropy_grad_(z, targets)   the op, overwriting z with g (Triton on CUDA, plain torch
-                                                          elsewhere)
-    loss, g = cross_entropy_with_grad_reference(z, targets)   the same math in plain torch, z left as it was
-    COST_FORMULAS                                     {op packet: formula(*op_args)} for ppt.flops
+`linear_cross_entropy(x, weight, targets)` (x (..., d), weight (V, d), targets (...) int64) is
+F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) whose backward never passes over the (N, V)
+logits elementwise. Its forward takes the head's matmul, then the op `ppt::cross_entropy_grad_(z, targets)` (one
+Triton program per row on CUDA: two reads of the row, the second mostly from L2, and g written over it; plain torch
+elsewhere, as `cross_entropy_with_grad_reference`), and keeps g in the logits' memory. Its backward is the head's two
+matmuls on g, the incoming gradient (1 / gradient-accumulation steps, say) multiplied into their small results:
+dx = grad (g W) (N, d) and dW = grad (g^T x) (V, d). Autograd through F.cross_entropy reads the logits in the forward,
+again in the backward, writes their gradient and multiplies it by the incoming one. The matmuls are plain torch ops,
+so ppt.flops traces them as the same three head matmuls; COST_FORMULAS counts the op.
 
 Dtypes: z bf16, fp16 or fp32 on CUDA (fp64 too elsewhere), contiguous; the loss is fp32 (fp64 for fp64 z).
 With every target ignored the loss is NaN and g is zero, as F.cross_entropy gives. Target values are checked off
@@ -50,17 +44,12 @@ def _check_inputs(z: Tensor, targets: Tensor) -> None:
         raise ValueError(f"the CUDA cross-entropy kernel takes logits in {KERNEL_DTYPES}, got {z.dtype}")
 
 
-def _check_target_values(targets: Tensor, V: int) -> None:
-    """Only where it costs no device sync (CPU tensors)."""
-    bad = (targets < -1) | (targets >= V)
-    if targets.device.type == "cpu" and bool(bad.any()):
-        raise ValueError(f"targets must lie in [0, {V}) or be -1 (ignored), got {targets[bad][:5].tolist()}")
-
-
 def cross_entropy_with_grad_reference(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """(mean loss, g in z's dtype) in fp32 (fp64 for fp64 z), the kernel's math unchunked."""
     _check_inputs(z, targets)
-    _check_target_values(targets, z.shape[1])
+    bad = (targets < -1) | (targets >= z.shape[1])
+    if targets.device.type == "cpu" and bool(bad.any()):  # a check of CUDA values would sync with the host
+        raise ValueError(f"targets must lie in [0, {z.shape[1]}) or be -1 (ignored), got {targets[bad][:5].tolist()}")
     logits = z.to(torch.promote_types(z.dtype, torch.float32))
     lse = logits.logsumexp(dim=1)
     kept = targets != -1
@@ -128,10 +117,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     return _LinearCrossEntropy.apply(x, weight, targets)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
 # Cost model for ppt.flops: no matmul work inside the op (the head's matmuls are traced as torch ops)
-
-
 def forward_cost(z: Tensor, targets: Tensor) -> dict[str, int]:
     """{"reduction", "elementwise", "bytes"} of one call. Per logit: 4 FLOPs for the row statistics (scale, subtract,
     exp, sum; the max is a compare), 4 for g (scale, subtract, exp, multiply). Bytes: z read once (its second read

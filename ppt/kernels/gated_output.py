@@ -7,21 +7,15 @@ For each token (h, g: (B, T, H, dV), the screening output and the gate's input; 
     p_head       = tanh_norm(h_head) * tanh(silu(g_head))
     y            = sum_head p_head @ w_head^T    (B, T, d)
 
-Public API:
-    y = gated_output(h, g, w)              the custom op `ppt::gated_output` compiled on CUDA, else the reference
-    y = gated_output_reference(h, g, w)    plain PyTorch, autograd through torch ops, float64-capable
-    COST_FORMULAS                          {op packet: formula(*op_args)} -> {"matmul", "elementwise", "bytes"}
-
-The op's forward is one Triton kernel (gated_output_triton.py) that forms p in registers and never writes it; its
-backward is plain torch ops (register_autograd), which torch.compile fuses as it fuses the reference's backward. Why
-the split, measured on an H200 at Multiscreen-d16's micro-batch (bench_gated_output, docs/benchmarks.md): the
-kernel's forward takes 0.250 ms against 0.370 for the compiled reference, and fwd+bwd 0.882 against 1.049; with a
-Triton backward that also kept dL/dp in registers, fwd+bwd took 1.458 ms.
-
-The CUDA path takes h and g in bf16, fp16 or fp32 (w is cast to their dtype, as autocast casts a matmul's weight),
-head dims dV and model widths d that are powers of two from 16 to 256 and 16 to 1024; other shapes, and every
-other device, run the reference, which torch.compile fuses as it does any elementwise code. ppt.flops traces the
-model on meta, where this is the reference, so the model's counted FLOPs are the reference's.
+`gated_output(h, g, w)` is the custom op `ppt::gated_output` on CUDA under torch.compile, else
+`gated_output_reference(h, g, w)` (plain PyTorch, float64-capable); COST_FORMULAS gives the op's {"matmul",
+"elementwise", "bytes"}. The op's forward is one Triton kernel (gated_output_triton.py) that forms p in registers and
+never writes it; its backward is plain torch ops, which torch.compile fuses. Why the split, measured on an H200 at
+Multiscreen-d16's micro-batch (bench_gated_output, docs/benchmarks.md): the kernel's forward takes 0.250 ms against
+0.370 for the compiled reference, and fwd+bwd 0.882 against 1.049; with a Triton backward that also kept dL/dp in
+registers, fwd+bwd took 1.458 ms. The kernel takes h and g in bf16, fp16 or fp32 (w cast to their dtype, as autocast
+casts a matmul's weight), head dims dV and model widths d that are powers of two from 16 to 256 and 16 to 1024; other
+shapes run the reference. ppt.flops traces the model on meta, where this is the reference.
 """
 
 from __future__ import annotations
@@ -34,14 +28,12 @@ from torch import Tensor
 
 _KERNEL_DV = (16, 32, 64, 128, 256)
 _KERNEL_D = (16, 32, 64, 128, 256, 512, 1024)
-
-
 _EPS = 1e-8  # tanh_norm's floor on the norm
 
 
-def tanh_norm(x: Tensor, eps: float = _EPS) -> Tensor:
+def tanh_norm(x: Tensor) -> Tensor:
     """Rescale x to norm tanh(|x|): keeps direction, bounds the norm below 1, near identity for small x."""
-    norm = x.norm(dim=-1, keepdim=True).clamp_min(eps)
+    norm = x.norm(dim=-1, keepdim=True).clamp_min(_EPS)
     return x * (torch.tanh(norm) / norm)
 
 
@@ -111,22 +103,15 @@ def _kernel_shapes(h: Tensor, g: Tensor, w: Tensor) -> bool:
 
 
 def gated_output(h: Tensor, g: Tensor, w: Tensor) -> Tensor:
-    """y (B, T, d) = sum_head (tanh_norm(h) * tanh(silu(g)))_head @ w_head^T (module docstring).
-
-    The op on CUDA under torch.compile (y in h's dtype); the reference when eager and off CUDA (y in torch's promotion
-    of h, g and w; under autocast the autocast dtype, as the einsum gives). Run eagerly, the op's backward is unfused
-    fp32 passes: its fwd+bwd took 10.1 ms on an H200 where compiled it takes 0.88 (bench_gated_output).
-    """
+    """The op on CUDA under torch.compile (y in h's dtype), else the reference (y in the einsum's dtype). Eager, the
+    op's backward is unfused fp32 passes: its fwd+bwd took 10.1 ms on an H200 where compiled it takes 0.88."""
     if h.device.type == "cuda" and torch.compiler.is_compiling() and _kernel_shapes(h, g, w):
         return torch.ops.ppt.gated_output(h.contiguous(), g.contiguous(), w.to(h.dtype).contiguous())
     return gated_output_reference(h, g, w)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Cost model, for a trace that meets the op itself (a direct call, or CUDA tensors): the reference's matmul FLOPs,
-# so N and MFU are those of the reference; the backward's torch ops are traced as they run
-
-
+# Cost model, for a trace that meets the op itself (a direct call, or CUDA tensors): the reference's matmul FLOPs, so
+# N and MFU are those of the reference; the backward's torch ops are traced as they run
 def forward_cost(h: Tensor, g: Tensor, w: Tensor, *args: object, **kwargs: object) -> dict[str, int]:
     """{"matmul", "elementwise", "bytes"} of one `ppt::gated_output` call: the einsum's matmul FLOPs, the kernel's
     elementwise work per element of p, and its bytes: reads h, g and w, writes y."""

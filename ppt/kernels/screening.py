@@ -9,24 +9,14 @@ For each batch row b, head h and query position i (all tensors are (B, T, H, D),
 
 `w_h = inf` makes head h see its whole document prefix with m = 1. Gradients flow to q, k, v, window and rho.
 
-Public API:
-    meta = screening_metadata(doc_pos)                     once per batch, shared by every layer; no host sync
-    h = screening(q, k, v, window, rho, meta)              the custom op `ppt::screening` (Triton on CUDA,
-                                                           the plain-torch path on CPU); autograd + torch.compile
-    h = screening_reference(q, k, v, window, rho, meta)    plain PyTorch, autograd through torch ops, float64-capable
-    screening_cost(B, T, H, dK, dV, window, meta, dtype)   {"pairs", "fwd_flops", "bwd_flops", "fwd_bytes", ...}
-    COST_FORMULAS / FLOP_FORMULAS                          {op packet: formula(*op_args, **kw)} for the forward and
-                                                           backward ops; FlopCounterMode(custom_mapping=FLOP_FORMULAS)
-    PAIR_FORMULAS                                          {op packet: needed_pairs}: per head (FLOPs per pair,
-                                                           reach), for ppt.flops's comparison rule
+`screening(q, k, v, window, rho, screening_metadata(doc_pos))` is the custom op `ppt::screening` (Triton on CUDA,
+plain torch elsewhere; autograd and torch.compile), `screening_reference` the same in plain PyTorch (float64-capable).
+COST_FORMULAS, FLOP_FORMULAS and PAIR_FORMULAS count it for ppt.flops and FlopCounterMode (`screening_cost`).
 
 Shapes and dtypes: q, k (B, T, H, dK); v (B, T, H, dV); bf16, fp16, fp32 (and fp64 on CPU); window, rho (H,)
 float32; meta = (doc_start, doc_end), both (B, T) int32. The CUDA kernels tile head dims of 16, 32, 64 or 128.
 Window values (w > 0, not NaN) are checked on the CPU path only: checking CUDA values would sync with the host on
 every call, so on CUDA a non-positive or NaN window silently yields zeros or NaNs.
-
-FLOPs count matmul work on in-window, in-document pairs only: forward 2*(dK + dV) per pair, backward twice that
-(dQ, dK, dS, dV), the attention convention. See `screening_cost`.
 """
 
 from __future__ import annotations
@@ -66,16 +56,8 @@ def screening_metadata(doc_pos: Tensor) -> tuple[Tensor, Tensor]:
 # Input validation (shapes and dtypes only: free at trace time, no host sync)
 
 
-def _check_inputs(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    window: Tensor,
-    rho: Tensor,
-    doc_start: Tensor,
-    doc_end: Tensor,
-    param_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
-):
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, meta: tuple[Tensor, Tensor],
+                  param_dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:  # fmt: skip
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(
             f"screening expects q, k (B, T, H, dK) and v (B, T, H, dV) with equal B, T, H; "
@@ -89,18 +71,18 @@ def _check_inputs(
             raise ValueError(
                 f"{name} must be a ({H},) tensor of {param_dtypes} (one value per head), got {tuple(t.shape)} {t.dtype}"
             )
-    for name, t in (("doc_start", doc_start), ("doc_end", doc_end)):
+    for name, t in zip(("doc_start", "doc_end"), meta):
         if t.shape != (B, T) or t.dtype != torch.int32:
             raise ValueError(
                 f"meta {name} must be int32 ({B}, {T}); build meta with screening_metadata(doc_pos) for this batch, "
                 f"got {tuple(t.shape)} {t.dtype}"
             )
-    devices = {t.device for t in (q, k, v, window, rho, doc_start, doc_end)}
+    devices = {t.device for t in (q, k, v, window, rho, *meta)}
     if len(devices) != 1:
         raise ValueError(f"screening inputs must all live on one device, got {sorted(str(d) for d in devices)}")
 
 
-def _check_kernel_inputs(q: Tensor, v: Tensor):
+def _check_kernel_inputs(q: Tensor, v: Tensor) -> None:
     if q.shape[-1] not in KERNEL_HEAD_DIMS or v.shape[-1] not in KERNEL_HEAD_DIMS:
         raise ValueError(
             f"the CUDA screening kernel tiles head dims {KERNEL_HEAD_DIMS}; got dK={q.shape[-1]}, dV={v.shape[-1]}. "
@@ -108,16 +90,6 @@ def _check_kernel_inputs(q: Tensor, v: Tensor):
         )
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"the CUDA screening kernel supports bf16, fp16 and fp32, got {q.dtype}")
-
-
-def _check_values(window: Tensor, rho: Tensor):
-    """Value checks that read the tensors: only where that costs no device sync (CPU tensors)."""
-    if window.device.type != "cpu":
-        return
-    if bool(torch.isnan(window).any()) or bool((window <= 0).any()):
-        raise ValueError(f"window must be > 0 (inf allowed, meaning the full document prefix), got {window.tolist()}")
-    if not bool(torch.isfinite(rho).all()):
-        raise ValueError(f"rho must be finite, got {rho.tolist()}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -129,19 +101,16 @@ def _compute_dtype(q: Tensor) -> torch.dtype:
 
 
 def _chunk_terms(q_chunk: Tensor, k: Tensor, window: Tensor, rho: Tensor, doc_start_chunk: Tensor, i0: int):
-    """Scores, pre-trim base and masked softmask for queries [i0, i0 + chunk) against keys [0, i0 + chunk).
-
-    Returns s (B, H, C, J), base (B, H, C, J), m (B, H, C, J) with m = 0 outside the window and the document, and
-    the per-head phase pi * (i - j) / w (H, C, J) that d m / d w needs.
-    """
+    """For queries [i0, i0 + chunk) against keys [0, i0 + chunk): scores s, pre-trim base and softmask m (B, H, C, J;
+    m = 0 outside the window and the document), and the phase pi * (i - j) / w (H, C, J) that d m / d w needs."""
     C, J = q_chunk.shape[1], k.shape[1]
     s = torch.einsum("bihd,bjhd->bhij", q_chunk, k)
     base = 1 - rho.view(1, -1, 1, 1) * (1 - s)
-    lag = torch.arange(i0, i0 + C, device=q_chunk.device)[:, None] - torch.arange(J, device=q_chunk.device)[None, :]
-    lag = lag.to(s.dtype)
+    keys = torch.arange(J, device=q_chunk.device)
+    lag = (torch.arange(i0, i0 + C, device=q_chunk.device)[:, None] - keys[None, :]).to(s.dtype)
     phase = math.pi * lag / window.view(-1, 1, 1)  # w = inf gives phase 0, i.e. m = 1
     in_window = (lag >= 0) & (lag < window.view(-1, 1, 1))  # (H, C, J)
-    in_doc = torch.arange(J, device=q_chunk.device)[None, None, :] >= doc_start_chunk[:, :, None]  # (B, C, J)
+    in_doc = keys[None, None, :] >= doc_start_chunk[:, :, None]  # (B, C, J)
     valid = in_window[None] & in_doc[:, None]
     m = torch.where(valid, 0.5 * (torch.cos(phase) + 1), torch.zeros((), dtype=s.dtype, device=s.device))
     return s, base, m, phase
@@ -150,12 +119,10 @@ def _chunk_terms(q_chunk: Tensor, k: Tensor, window: Tensor, rho: Tensor, doc_st
 def screening_reference(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, meta: tuple[Tensor, Tensor]
 ) -> Tensor:
-    """Plain-PyTorch screening (see the module docstring), chunked over queries so memory stays O(T * chunk).
-
-    Computes in float32 for half-precision inputs and in float64 for float64 inputs; returns v's dtype.
-    """
-    doc_start, doc_end = meta
-    _check_inputs(q, k, v, window, rho, doc_start, doc_end, param_dtypes=(torch.float32, torch.float64))
+    """Plain-PyTorch screening, chunked over queries so memory stays O(T * chunk); computes in float32 (float64 for
+    float64 inputs) and returns v's dtype."""
+    _check_inputs(q, k, v, window, rho, meta, param_dtypes=(torch.float32, torch.float64))
+    doc_start = meta[0]
     dtype = _compute_dtype(q)
     q, k, v, window, rho = (t.to(dtype) for t in (q, k, v, window, rho))
     T = q.shape[1]
@@ -203,7 +170,13 @@ def _screening_backward_torch(
 def _screening_op(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor
 ) -> Tensor:
-    _check_values(window, rho)
+    if window.device.type == "cpu":  # value checks read the tensors: only where that costs no device sync
+        if bool(torch.isnan(window).any()) or bool((window <= 0).any()):
+            raise ValueError(
+                f"window must be > 0 (inf allowed, meaning the full document prefix), got {window.tolist()}"
+            )
+        if not bool(torch.isfinite(rho).all()):
+            raise ValueError(f"rho must be finite, got {rho.tolist()}")
     return screening_reference(q, k, v, window, rho, (doc_start, doc_end))
 
 
@@ -267,11 +240,10 @@ _screening_op.register_autograd(_backward, setup_context=_setup_context)
 
 def screening(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, meta: tuple[Tensor, Tensor]) -> Tensor:
     """h (B, T, H, dV) = sum_j alpha_ij m_ij v_j (module docstring). meta comes from `screening_metadata(doc_pos)`."""
-    doc_start, doc_end = meta
-    _check_inputs(q, k, v, window, rho, doc_start, doc_end)
+    _check_inputs(q, k, v, window, rho, meta)
     if q.device.type == "cuda":
         _check_kernel_inputs(q, v)
-    q, k, v, doc_start, doc_end = (t.contiguous() for t in (q, k, v, doc_start, doc_end))  # what the kernels index
+    q, k, v, doc_start, doc_end = (t.contiguous() for t in (q, k, v, *meta))  # what the kernels index
     return torch.ops.ppt.screening(q, k, v, window, rho, doc_start, doc_end)
 
 
@@ -289,12 +261,9 @@ def _readable(t: Tensor | None) -> bool:
 
 
 def _pair_count(T: int, window: Tensor | None, meta: tuple[Tensor, Tensor] | Tensor | None, B: int, H: int) -> int:
-    """In-window, in-document (query, key) pairs summed over batch and heads.
-
-    Query i has min(ceil(w), doc_pos_i + 1) keys. With readable window and metadata the count is exact; without
-    readable metadata each row counts as one document; without readable window values every pair of the causal
-    triangle counts (T (T + 1) / 2 per row and head), an upper bound.
-    """
+    """In-window, in-document (query, key) pairs summed over batch and heads: query i has min(ceil(w), doc_pos_i + 1)
+    keys. Without readable metadata each row is one document; without readable window values every causal pair
+    counts (T (T + 1) / 2 per row and head), an upper bound."""
     if not _readable(window):
         return B * H * T * (T + 1) // 2
     doc_start = meta[0] if isinstance(meta, tuple) else meta
@@ -309,21 +278,12 @@ def _pair_count(T: int, window: Tensor | None, meta: tuple[Tensor, Tensor] | Ten
     return total
 
 
-def screening_cost(
-    B: int,
-    T: int,
-    H: int,
-    dK: int,
-    dV: int,
-    window: Tensor | None = None,
-    meta: tuple[Tensor, Tensor] | Tensor | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-) -> dict[str, int]:
-    """FLOPs and HBM bytes of one screening call, counting in-window, in-document pairs only (see `_pair_count`).
-
-    Forward: 2 (dK + dV) FLOPs per pair (q.k and alpha m v); backward 4 (dK + dV) (dQ, dK, the score gradient and
-    dV). Bytes, each tensor once: forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv.
-    """
+def screening_cost(B: int, T: int, H: int, dK: int, dV: int, window: Tensor | None = None,
+                   meta: tuple[Tensor, Tensor] | Tensor | None = None,
+                   dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:  # fmt: skip
+    """FLOPs and HBM bytes of one call over in-window, in-document pairs (`_pair_count`): forward 2 (dK + dV) FLOPs a
+    pair (q.k and alpha m v), backward 4 (dK + dV) (dQ, dK, the score gradient and dV). Bytes, each tensor once:
+    forward reads q, k, v and writes h; backward reads q, k, v, dh and writes dq, dk, dv."""
     pairs = _pair_count(T, window, meta, B, H)
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = B * T * H
@@ -337,37 +297,18 @@ def screening_cost(
     }
 
 
-def _cost_from_args(q: Tensor, v: Tensor, window: Tensor, doc_start: Tensor) -> dict[str, int]:
-    B, T, H, dK = q.shape
-    return screening_cost(B, T, H, dK, v.shape[-1], window, doc_start, q.dtype)
-
-
 def forward_cost(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, *args: object,
                  **kwargs: object) -> dict[str, int]:  # fmt: skip
     """{"flops", "bytes"} of one `ppt::screening` call, from the op's own arguments."""
-    cost = _cost_from_args(q, v, window, doc_start)
+    cost = screening_cost(*q.shape, v.shape[-1], window, doc_start, q.dtype)
     return {"flops": cost["fwd_flops"], "bytes": cost["fwd_bytes"]}
 
 
 def backward_cost(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, *args: object,
                   **kwargs: object) -> dict[str, int]:  # fmt: skip
     """{"flops", "bytes"} of one `ppt::screening_backward` call, from the op's own arguments."""
-    cost = _cost_from_args(q, v, window, doc_start)
+    cost = screening_cost(*q.shape, v.shape[-1], window, doc_start, q.dtype)
     return {"flops": cost["bwd_flops"], "bytes": cost["bwd_bytes"]}
-
-
-def _forward_flops(*args: object, **kwargs: object) -> int:
-    return forward_cost(*args, **kwargs)["flops"]
-
-
-def _backward_flops(*args: object, **kwargs: object) -> int:
-    return backward_cost(*args, **kwargs)["flops"]
-
-
-# torch.utils.flop_counter hands formulas marked _get_raw the op's tensors (not only shapes), so window values and
-# document metadata reach _pair_count: `FlopCounterMode(custom_mapping=FLOP_FORMULAS)` counts the op.
-_forward_flops._get_raw = True
-_backward_flops._get_raw = True
 
 
 def needed_pairs(q: Tensor, k: Tensor, v: Tensor, window: Tensor, *args: object, **kwargs: object) -> list[tuple]:
@@ -380,15 +321,19 @@ def needed_pairs(q: Tensor, k: Tensor, v: Tensor, window: Tensor, *args: object,
     return [(flops_per_pair, math.inf if math.isinf(w) else math.ceil(w)) for w in window.detach().cpu().tolist()]
 
 
+def _flops_only(cost_formula: Callable[..., dict[str, int]]) -> Callable[..., int]:
+    def flops(*args: object, **kwargs: object) -> int:
+        return cost_formula(*args, **kwargs)["flops"]
+
+    # FlopCounterMode hands a formula marked _get_raw the op's tensors, not only their shapes: window values and
+    # document metadata then reach _pair_count
+    flops._get_raw = True
+    return flops
+
+
 # Keyed by op packet, as FlopCounterMode looks ops up; each takes the op's arguments (extra keywords such as
 # out_val are ignored). COST_FORMULAS gives {"flops", "bytes"}, FLOP_FORMULAS the FLOPs alone.
-COST_FORMULAS: dict[object, Callable[..., dict[str, int]]] = {
-    torch.ops.ppt.screening: forward_cost,
-    torch.ops.ppt.screening_backward: backward_cost,
-}
-FLOP_FORMULAS: dict[object, Callable[..., int]] = {
-    torch.ops.ppt.screening: _forward_flops,
-    torch.ops.ppt.screening_backward: _backward_flops,
-}
+COST_FORMULAS = {torch.ops.ppt.screening: forward_cost, torch.ops.ppt.screening_backward: backward_cost}
+FLOP_FORMULAS = {op: _flops_only(cost_formula) for op, cost_formula in COST_FORMULAS.items()}
 # ppt.flops's comparison rule: the pairs the forward op needs (the rule counts a backward as twice its forward)
 PAIR_FORMULAS: dict[object, Callable[..., list[tuple]]] = {torch.ops.ppt.screening: needed_pairs}
