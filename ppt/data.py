@@ -240,10 +240,9 @@ class DataLoader:
                 )
         self.eot_id = first.eot_id
         self.vocab_size = vocab_size or first.vocab_size
-        for info, tokens in shards:  # an id the model has no embedding for would crash it mid-run (CUDA: an assert)
-            largest = info.max_token_id if info.max_token_id is not None else int(tokens.max())  # older shards: a pass
-            if largest >= self.vocab_size:
-                raise PPTError(out_of_vocab(info.path, largest, self.vocab_size))
+        for info in self.infos:  # an id the model has no embedding for would crash it mid-run (CUDA: an assert)
+            if info.max_token_id >= self.vocab_size:
+                raise PPTError(out_of_vocab(info.path, info.max_token_id, self.vocab_size))
         self.tokenizer_fingerprint = first.tokenizer_fingerprint
         pin_memory = self.device.type == "cuda"  # page-locked host memory: the copy to the GPU runs asynchronously
         # training rows go to ranks in blocks of a batch (see _RowSource.global_row); val rows one at a time
@@ -325,6 +324,11 @@ class DataLoader:
         }
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
+        if missing := self.state_dict().keys() - state.keys():
+            raise PPTError(
+                f"the data loader state lacks {', '.join(sorted(missing))} (saved by an older ppt), so its batch order "
+                "cannot be continued; start the run again without --resume"
+            )
         for key in ("split", "seed", "seq_len", "world_size"):
             if state[key] != getattr(self, key):
                 raise PPTError(
@@ -336,11 +340,11 @@ class DataLoader:
                 f"{self.data_dir} changed since the loader state was saved ({state['total_rows']} rows, now "
                 f"{self.total_rows}); the resumed batch order will differ from an uninterrupted run"
             )
-        saved_batch = state.get("batch_size", self.batch_size)  # states before the field: assume unchanged
-        if self.world_size > 1 and self.shuffle and saved_batch != self.batch_size:
+        if self.world_size > 1 and self.shuffle and state["batch_size"] != self.batch_size:
             warn0(
-                f"the data loader state was saved with batch_size={saved_batch}, this run has {self.batch_size}: "
-                "ranks take rows in blocks of a batch, so the rest of this epoch repeats some rows and skips others"
+                f"the data loader state was saved with batch_size={state['batch_size']}, this run has "
+                f"{self.batch_size}: ranks take rows in blocks of a batch, so the rest of this epoch repeats some "
+                "rows and skips others"
             )
         self.close()  # batches prefetched from the old position are dropped
         self.epoch, self.position = int(state["epoch"]), min(int(state["position"]), self.rows_per_rank)

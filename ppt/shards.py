@@ -9,12 +9,12 @@ Shard format, version 1. A fixed 1024-byte little-endian header, then the tokens
     16      8      token count, uint64
     24      4      vocab size, uint32
     28      4      EOT id, uint32
-    32      4      flags, uint32: bit 0 set when the offline demo tokenizer made the tokens; bit 1 when offset 164
-                   holds the largest token id
+    32      4      flags, uint32: bit 0 set when the offline demo tokenizer made the tokens; bit 1 always set (offset
+                   164 holds the largest token id)
     36      32     tokenizer fingerprint: sha256 digest of the canonical tokenizer JSON
     68      32     sha256 digest of the token bytes (the dataset fingerprint is made of these)
     100     64     tokenizer name, UTF-8, NUL-padded
-    164     4      the largest token id in the shard, uint32 (shards written before it existed: 0, bit 1 unset)
+    164     4      the largest token id in the shard, uint32
     168     856    zeros
     1024    ...    the tokens
 
@@ -56,6 +56,7 @@ SPLITS = ("train", "val")
 PREPARE_HINT = (
     "create it with `python -m scripts.prepare_fineweb` (or `python -m scripts.prepare_fineweb --source demo` offline)"
 )
+PREPARE_AGAIN = "prepare the data again into a new --out"
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class ShardInfo:
     tokenizer_name: str
     is_demo: bool
     tokens_sha256: str
-    max_token_id: int | None  # None in shards written before the header recorded it
+    max_token_id: int
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -148,7 +149,9 @@ def read_shard(
     fields = _HEADER.unpack_from(raw)
     _, version, itemsize, num_tokens, vocab_size, eot_id, flags, fp, tokens_sha, name, max_id = fields
     if version != VERSION:
-        raise PPTError(f"{path} has shard format version {version}, this ppt reads {VERSION}; re-run prepare")
+        raise PPTError(f"{path} has shard format version {version}, this ppt reads {VERSION}; {PREPARE_AGAIN}")
+    if not flags & FLAG_MAX_ID:
+        raise PPTError(f"{path} was written by an older ppt: its header lacks the largest token id; {PREPARE_AGAIN}")
     dtype = token_dtype(vocab_size)
     if itemsize != dtype.itemsize:
         raise PPTError(
@@ -171,7 +174,7 @@ def read_shard(
         name.rstrip(b"\0").decode("utf-8", errors="ignore"),
         bool(flags & FLAG_DEMO),
         tokens_sha.hex(),
-        max_id if flags & FLAG_MAX_ID else None,
+        max_id,
     )
     if expected_fingerprint is not None and info.tokenizer_fingerprint != expected_fingerprint:
         made_by = _describe_tokenizer(info.tokenizer_name, info.tokenizer_fingerprint, info.is_demo)
@@ -226,7 +229,7 @@ def check_prepared(data_dir: str | Path) -> str | None:
     if user := directory_user(Path(data_dir)):
         raise PPTError(f"{data_dir} is being written by a prepare ({user}); train on it once that has finished")
     meta = read_meta(data_dir)
-    if meta.get("progress", {}).get("complete") is False:  # absent in directories prepared before it was recorded
+    if not meta["progress"]["complete"]:
         return (
             f"the prepare of {data_dir} stopped before it finished ({meta['train']['shards']} train shards); training "
             "on what is there. Rerun the same prepare command to finish it"

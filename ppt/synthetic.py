@@ -73,5 +73,8 @@ def write_synthetic_data(
                 "vocab_size": vocab_size,
                 "eot_id": 0,
             },
+            "val": {"shards": 1},
+            "train": {"shards": 1},
+            "progress": {"complete": True},
         },
     )
