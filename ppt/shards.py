@@ -26,7 +26,8 @@ Data directory (made by `python -m scripts.prepare_fineweb`):
     <data_dir>/val_00000.bin        the first documents of the source
     <data_dir>/train_00000.bin ...  the documents after them; never overlapping val
     <data_dir>/tokenizer.json       the tokenizer that made the shards
-    <data_dir>/meta.json            source, tokenizer (name, fingerprint, is_demo), doc and token counts, progress
+    <data_dir>/meta.json            source, tokenizer, settings, per split: shards, documents, tokens, duplicates
+                                    dropped; progress (format META_FORMAT: ppt/shard_writer.py's new_meta)
 
 The loader that packs shards into training rows is ppt/data.py; prepare's writer is ppt/shard_writer.py.
 """
@@ -57,6 +58,10 @@ PREPARE_HINT = (
     "create it with `python -m scripts.prepare_fineweb` (or `python -m scripts.prepare_fineweb --source demo` offline)"
 )
 PREPARE_AGAIN = "prepare the data again into a new --out"
+REBUILD_HINT = (
+    "re-run the prepare command that made it (same --source and --out): it rebuilds missing and damaged shards"
+)
+META_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -160,10 +165,7 @@ def read_shard(
     expected_size = HEADER_BYTES + num_tokens * itemsize
     if size != expected_size:
         problem = "truncated shard" if size < expected_size else "shard has trailing bytes"
-        raise PPTError(
-            f"{path}: {problem} ({size} bytes, header says {expected_size}); delete it and re-run prepare, "
-            "which resumes where it stopped"
-        )
+        raise PPTError(f"{path}: {problem} ({size} bytes, header says {expected_size}); {REBUILD_HINT}")
     info = ShardInfo(
         path,
         num_tokens,
@@ -201,13 +203,21 @@ def shard_path(data_dir: str | Path, split: str, index: int) -> Path:
 
 
 def list_shards(data_dir: str | Path, split: str) -> list[Path]:
-    """The split's shards in index order; PPTError naming the prepare command when there are none."""
+    """The split's shards in index order; PPTError naming the prepare command when there are none, and the fix when
+    fewer are there than meta.json records (nothing trains on part of the data without a word)."""
     if split not in SPLITS:
         raise PPTError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise PPTError(f"data directory {data_dir} does not exist; {PREPARE_HINT}")
     paths = sorted(data_dir.glob(f"{split}_[0-9][0-9][0-9][0-9][0-9].bin"))
+    if (data_dir / "meta.json").is_file():
+        recorded = [shard_path(data_dir, split, i) for i in range(read_meta(data_dir)[split]["shards"])]
+        if missing := [path.name for path in recorded if not path.is_file()]:
+            raise PPTError(
+                f"{data_dir} lacks {', '.join(missing)} of the {len(recorded)} {split} shards its meta.json records; "
+                f"{REBUILD_HINT}"
+            )
     if not paths:
         raise PPTError(f"no {split} shards in {data_dir}; {PREPARE_HINT}")
     return paths
@@ -218,9 +228,12 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise PPTError(f"{path} is missing; {PREPARE_HINT}")
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise PPTError(f"{path} is not valid JSON ({exc}); delete the data directory and re-run prepare") from exc
+    if meta.get("format") != META_FORMAT:
+        raise PPTError(f"{path} is of format {meta.get('format')}, this ppt reads {META_FORMAT}; {PREPARE_AGAIN}")
+    return meta
 
 
 def check_prepared(data_dir: str | Path) -> str | None:

@@ -18,12 +18,12 @@ import sys
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
 from ppt.common import PPTError, format_sizes
-from ppt.tokenizer import Tokenizer
+from ppt.tokenizer import Tokenizer, hub_offline
 
 FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -222,15 +222,27 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
             yield record["text"]
 
 
+@contextmanager
+def _parquet_errors(path: Path) -> Iterator[None]:
+    """A damaged or non-parquet file (pyarrow raises ArrowInvalid, OSError ...) as one line."""
+    try:
+        yield
+    except Exception as exc:
+        raise PPTError(
+            f"{path} is not a readable parquet file ({exc}); re-export it, or leave it out of --source"
+        ) from exc
+
+
 def _parquet_documents(path: Path) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    with _parquet_errors(path):
+        parquet = pq.ParquetFile(path)
     if "text" not in parquet.schema_arrow.names:
         raise PPTError(f"{path} has no `text` column (columns: {', '.join(parquet.schema_arrow.names)})")
-    for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            yield text or ""
+    with _parquet_errors(path):  # a damaged page shows only when read
+        for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
+            yield from (text or "" for text in batch.column(0).to_pylist())
 
 
 def local_documents(files: list[Path]) -> Iterator[str]:
@@ -239,12 +251,11 @@ def local_documents(files: list[Path]) -> Iterator[str]:
         yield from readers[path.suffix](path)
 
 
-def open_fineweb(skip: int) -> Iterator[str]:
+def open_fineweb() -> Iterator[str]:
     """Stream FineWeb-Edu-Dedup from the hub; with HF_HUB_OFFLINE set, read a dataset already in the HF cache.
 
     Opens the dataset now, so an unreachable hub fails before anything is written.
     """
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
     how_to_work_offline = (
         "to work offline use `--source demo`, or local .txt/.jsonl/.parquet files, or set HF_HUB_OFFLINE=1 "
         "with the dataset already in the Hugging Face cache"
@@ -252,11 +263,9 @@ def open_fineweb(skip: int) -> Iterator[str]:
     try:
         import datasets  # lazy: importing this script never touches the network
 
-        dataset = datasets.load_dataset(FINEWEB_REPO, FINEWEB_CONFIG, split="train", streaming=not offline)
+        dataset = datasets.load_dataset(FINEWEB_REPO, FINEWEB_CONFIG, split="train", streaming=not hub_offline())
     except Exception as exc:  # connection, auth, missing cache: all mean "cannot get the data"
         raise PPTError(f"cannot open {FINEWEB_REPO} ({FINEWEB_CONFIG}): {exc}; {how_to_work_offline}") from exc
-    if skip:
-        dataset = dataset.skip(skip)
 
     def texts() -> Iterator[str]:
         examples = iter(dataset)
@@ -309,7 +318,8 @@ def estimate_text_bytes(files: list[Path]) -> int:
         elif path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            metadata = pq.ParquetFile(path).metadata
+            with _parquet_errors(path):
+                metadata = pq.ParquetFile(path).metadata
             columns = [metadata.schema.column(i).path for i in range(metadata.num_columns)]
             if "text" in columns:
                 column = columns.index("text")

@@ -59,7 +59,7 @@ def test_bad_magic_and_truncation_are_named(tmp_path):
     write_shard(path, stream_with_docs(100, 10, 500), vocab_size=500, eot_id=0, fingerprint=FP, demo=False)
     with open(path, "r+b") as f:
         f.truncate(HEADER_BYTES + 150)
-    with pytest.raises(PPTError, match="truncated shard.*re-run prepare"):
+    with pytest.raises(PPTError, match="truncated shard.*re-run the prepare command that made it"):
         read_shard(path)
 
 
