@@ -12,17 +12,19 @@ own small BPE on it; anything else is local files, folders (every .txt/.jsonl/.p
 `.txt` is one document per file (UTF-8), `.jsonl` one per line (its `text` field), `.parquet` one per row (its `text`
 column). Empty documents are skipped, and so is a document identical to an earlier one (counted in the summary and
 meta.json). The val shard holds the first documents of the stream (after --shuffle-seed, if given) and the train
-shards the documents after them, so they never overlap; a shard closes at the first document boundary past its size. For local files the val split defaults to 5% of the corpus (at most 10M tokens), sized
-before anything is tokenized from the corpus size and the tokenizer's bytes per token on its first megabyte.
+shards the documents after them, so they never overlap; a shard closes at the first document boundary past its size.
+For local files the val split defaults to 5% of the corpus (at most 10M tokens), sized before anything is tokenized
+from the corpus size and the tokenizer's bytes per token on its first megabyte.
 
 Tokenizers: cosmo2 from the hub by default; `--tokenizer path/to/tokenizer.json` for a local one; or
 `--train-tokenizer --vocab-size N` to train a byte-level BPE on the corpus itself (all of it, val included). meta.json
 records which, and how it was made.
 
 Interrupted runs resume: shards are written atomically and meta.json counts the documents the finished shards
-consumed, so a rerun skips exactly those and continues. A rerun also rewrites any recorded shard that went missing or
-was damaged since; rerunning a finished prepare otherwise does nothing, and with a larger --shards adds shards. One prepare at a time per --out: a second one stops with the first one's pid.
-Progress shows as a bar on a terminal, and as a line every minute otherwise (nohup, batch jobs).
+consumed, so a rerun skips exactly those and continues. A rerun also rewrites a recorded shard that went missing or
+was damaged since; otherwise rerunning a finished prepare does nothing, and with a larger --shards adds shards. One
+prepare at a time per --out: a second one stops with the first one's pid. Progress shows as a bar on a terminal, and
+as a line every minute otherwise (nohup, batch jobs), where no library draws a bar either.
 """
 
 from __future__ import annotations
@@ -431,6 +433,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not sys.stderr.isatty():  # a bar redrawn into a log is one endless line: the hub's and datasets' bars are off
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     on_kill = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops as cleanly as Ctrl-C: the workers go too
     try:
         prepare(args)

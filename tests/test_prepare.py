@@ -419,6 +419,22 @@ def test_progress_lines_when_not_on_a_terminal(tmp_path, tokenizer_path, capsys,
     assert all(re.fullmatch(pattern, line) for line in lines), lines
 
 
+def test_no_progress_bar_is_drawn_off_a_terminal(tmp_path, tokenizer_path):
+    """Neither prepare's bar nor those of the hub's downloads and of datasets' streaming, whose redraws would pile up
+    in a log as one endless line: stderr here is a pipe."""
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", make_docs())), "--out", str(tmp_path / "out")]
+    argv += [*SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    code = (
+        f"from scripts.prepare_fineweb import main; assert main({argv!r}) == 0; import datasets, huggingface_hub.utils "
+        "as hub; print(hub.are_progress_bars_disabled(), datasets.is_progress_bar_enabled())"
+    )
+    env = {key: value for key, value in os.environ.items() if "PROGRESS_BARS" not in key}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-2:] == ["True", "False"] and "\r" not in run.stderr and "%|" not in run.stderr
+
+
 class FillsUp:
     """Files that take `budget` bytes between them, then fail as a full disk does."""
 
