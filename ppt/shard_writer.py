@@ -198,7 +198,11 @@ class ShardWriter:
 
     def flush(self) -> None:
         """Write the pending val shard (if any) and the train shard, then the progress that covers them."""
-        if self.val is not None:
+        if self.val is not None:  # the first shards: the tokenizer and meta.json go first, so a kill leaves a
+            # directory the next run resumes, and a prepare that fails before its first shard leaves nothing
+            with disk_errors(self.out / "tokenizer.json", self.shard_bytes()):
+                self.tokenizer.save(self.out)
+            self.write_meta()
             self._write("val", self.val)
             self.val = None
         self._write("train", self.train)
@@ -212,15 +216,8 @@ class ShardWriter:
         array = buffer.array(token_dtype(tok.vocab_size))
         path = shard_path(self.out, split, self.meta[split]["shards"])
         with disk_errors(path, self.shard_bytes()):
-            write_shard(
-                path,
-                array,
-                vocab_size=tok.vocab_size,
-                eot_id=tok.eot_id,
-                fingerprint=tok.fingerprint,
-                demo=tok.is_demo,
-                tokenizer_name=tok.name,
-            )
+            write_shard(path, array, vocab_size=tok.vocab_size, eot_id=tok.eot_id, fingerprint=tok.fingerprint,
+                        demo=tok.is_demo, tokenizer_name=tok.name)  # fmt: skip
         self.meta[split]["shards"] += 1
         self.meta[split]["tokens"] += array.size
         self._count(split, buffer)

@@ -21,15 +21,9 @@ Shard format, version 1. A fixed 1024-byte little-endian header, then the tokens
 The token stream of every shard starts with EOT and every document is followed by EOT, so each document is preceded
 by the EOT that begins it (SPEC.md, "Documents and packing").
 
-Data directory (made by `python -m scripts.prepare_fineweb`):
-
-    <data_dir>/val_00000.bin        the first documents of the source
-    <data_dir>/train_00000.bin ...  the documents after them; never overlapping val
-    <data_dir>/tokenizer.json       the tokenizer that made the shards
-    <data_dir>/meta.json            source, tokenizer, settings, per split: shards, documents, tokens, duplicates
-                                    dropped; progress (format META_FORMAT: ppt/shard_writer.py's new_meta)
-
-The loader that packs shards into training rows is ppt/data.py; prepare's writer is ppt/shard_writer.py.
+A data directory (made by `python -m scripts.prepare_fineweb`) holds val_00000.bin (the first documents of the
+source), train_00000.bin ... (the documents after them), tokenizer.json and meta.json (ppt/shard_writer.py's
+new_meta). The loader that packs shards into training rows is ppt/data.py.
 """
 
 from __future__ import annotations
@@ -115,22 +109,12 @@ def write_shard(
         raise PPTError(f"a shard's token stream must start with EOT ({eot_id}), got {int(tokens[0])}")
     if len(fingerprint) != 64:
         raise PPTError(f"tokenizer fingerprint must be a sha256 hex digest, got {fingerprint!r}")
-    data = tokens.astype(token_dtype(vocab_size), copy=False).tobytes()
-    tokens_sha256 = hashlib.sha256(data).digest()
-    name_bytes = tokenizer_name.encode("utf-8")[:64]
+    dtype = token_dtype(vocab_size)
+    data = tokens.astype(dtype, copy=False).tobytes()
     header = _HEADER.pack(
-        MAGIC,
-        VERSION,
-        token_dtype(vocab_size).itemsize,
-        tokens.size,
-        vocab_size,
-        eot_id,
-        FLAG_MAX_ID | (FLAG_DEMO if demo else 0),
-        bytes.fromhex(fingerprint),
-        tokens_sha256,
-        name_bytes,
-        int(tokens.max()),
-    ).ljust(HEADER_BYTES, b"\0")
+        MAGIC, VERSION, dtype.itemsize, tokens.size, vocab_size, eot_id, FLAG_MAX_ID | (FLAG_DEMO if demo else 0),
+        bytes.fromhex(fingerprint), hashlib.sha256(data).digest(), tokenizer_name.encode()[:64], int(tokens.max()),
+    ).ljust(HEADER_BYTES, b"\0")  # fmt: skip
     with atomic_file(path) as f:
         f.write(header)
         f.write(data)
@@ -166,18 +150,9 @@ def read_shard(
     if size != expected_size:
         problem = "truncated shard" if size < expected_size else "shard has trailing bytes"
         raise PPTError(f"{path}: {problem} ({size} bytes, header says {expected_size}); {REBUILD_HINT}")
-    info = ShardInfo(
-        path,
-        num_tokens,
-        vocab_size,
-        eot_id,
-        dtype,
-        fp.hex(),
-        name.rstrip(b"\0").decode("utf-8", errors="ignore"),
-        bool(flags & FLAG_DEMO),
-        tokens_sha.hex(),
-        max_id,
-    )
+    tokenizer_name = name.rstrip(b"\0").decode("utf-8", errors="ignore")
+    info = ShardInfo(path, num_tokens, vocab_size, eot_id, dtype, fp.hex(), tokenizer_name, bool(flags & FLAG_DEMO),
+                     tokens_sha.hex(), max_id)  # fmt: skip
     if expected_fingerprint is not None and info.tokenizer_fingerprint != expected_fingerprint:
         made_by = _describe_tokenizer(info.tokenizer_name, info.tokenizer_fingerprint, info.is_demo)
         raise PPTError(

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import shutil
 import signal
@@ -52,13 +51,13 @@ from ppt.common import (
     nonneg_int,
     positive_int,
 )
+from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
 from ppt.shard_writer import (
     VAL_SHARE,
     ShardWriter,
     batched,
     check_resumable,
-    disk_errors,
     encode_in_order,
     new_meta,
     remove_leftovers,
@@ -84,17 +83,11 @@ SHARD_TOKENS = Number(int, 2, MAX_TOKENS, scientific=True)
 VOCAB_SIZE = Number(int, 258, 2**32 - 1)  # 256 bytes + EOT at least; ids are stored as uint32 at most
 
 
-@dataclass(frozen=True)
-class Defaults:
-    shards: int | None  # None: until the source runs out
-    shard_tokens: int
-    val_tokens: int
-
-
+# per source: train shards (None: until the source runs out), tokens a train shard, tokens in the val shard
 DEFAULTS = {
-    "fineweb": Defaults(shards=1, shard_tokens=100_000_000, val_tokens=10_000_000),
-    "local": Defaults(shards=None, shard_tokens=100_000_000, val_tokens=10_000_000),
-    "demo": Defaults(shards=None, shard_tokens=100_000, val_tokens=50_000),
+    "fineweb": {"shards": 1, "shard_tokens": 100_000_000, "val_tokens": 10_000_000},
+    "local": {"shards": None, "shard_tokens": 100_000_000, "val_tokens": 10_000_000},
+    "demo": {"shards": None, "shard_tokens": 100_000, "val_tokens": 50_000},
 }
 
 
@@ -165,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def val_split_tokens(requested: int | None, corpus: CorpusSize) -> int:
     """The val split of a local corpus: `requested`, checked against the corpus, or VAL_SHARE of it (at most 10M)."""
     if requested is None:
-        return max(2, min(DEFAULTS["local"].val_tokens, int(corpus.tokens * VAL_SHARE)))
+        return max(2, min(DEFAULTS["local"]["val_tokens"], int(corpus.tokens * VAL_SHARE)))
     if requested > corpus.tokens // 2:
         raise PPTError(
             f"the corpus is too small for --val-tokens {requested:,}, more than half of it ({corpus.describe()}); "
@@ -270,30 +263,20 @@ class Progress:
 
     def update(self, tokens: int, shards: int) -> None:
         self.tokens += tokens
+        now = time.perf_counter()
         if self.bar is not None:
             self.bar.update(tokens)
-            return
-        now = time.perf_counter()
-        if now - self.last < PROGRESS_EVERY_S:
-            return
-        self.last = now
-        rate = self.tokens / max(now - self.started, 1e-9)
-        left = "unknown" if self.total is None else _clock(max(self.total - self.tokens, 0) / max(rate, 1e-9))
-        of = "" if self.total is None else f" of about {self.total:,}"
-        print(
-            f"tokenizing: {shards} shards written, {self.tokens:,}{of} tokens, {rate:,.0f} tokens/s, ETA {left}",
-            file=sys.stderr,
-            flush=True,
-        )
+        elif now - self.last >= PROGRESS_EVERY_S:
+            self.last, rate = now, self.tokens / max(now - self.started, 1e-9)
+            of, eta = "", "unknown"
+            if self.total is not None:
+                of, eta = f" of about {self.total:,}", duration(max(self.total - self.tokens, 0) / max(rate, 1e-9))
+            line = f"tokenizing: {shards} shards written, {self.tokens:,}{of} tokens, {rate:,.0f} tokens/s, ETA {eta}"
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds) if math.isfinite(seconds) else 0
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
@@ -310,7 +293,7 @@ def prepare(args: argparse.Namespace) -> None:
         documents = local_document_source(files, args.shuffle_seed)
     else:
         documents = open_fineweb if kind == "fineweb" else lambda: iter(demo_documents())
-    job = Job(kind, out, files, documents, args.shards if args.shards is not None else DEFAULTS[kind].shards)
+    job = Job(kind, out, files, documents, args.shards if args.shards is not None else DEFAULTS[kind]["shards"])
     made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if this prepare leaves them empty
     fresh = None if has_shards(out) else plan(args, job)  # settled before any directory is made
     lock = lock_directory(out, "pass another --out")  # one prepare per directory
@@ -336,8 +319,8 @@ def plan(args: argparse.Namespace, job: Job) -> tuple[Tokenizer, dict, CorpusSiz
     if not (job.out / "meta.json").is_file() and any(job.out.glob("*.bin")):
         raise PPTError(f"{job.out} holds shards but no meta.json; delete them or pass another --out")
     tokenizer, origin, corpus = choose_tokenizer(args, job)
-    shard_tokens = args.shard_tokens or DEFAULTS[job.kind].shard_tokens
-    val_tokens = args.val_tokens or DEFAULTS[job.kind].val_tokens
+    shard_tokens = args.shard_tokens or DEFAULTS[job.kind]["shard_tokens"]
+    val_tokens = args.val_tokens or DEFAULTS[job.kind]["val_tokens"]
     if corpus:
         val_tokens = val_split_tokens(args.val_tokens, corpus)
         print(f"corpus: {corpus.describe()}; val split {val_tokens:,} tokens, the rest train")
@@ -388,29 +371,20 @@ def prepare_into(args: argparse.Namespace, job: Job, fresh: tuple[Tokenizer, dic
         stream = job.documents()
         # the documents the finished shards hold are skipped, their digests kept: their copies are dropped too
         writer.remember(itertools.islice(stream, meta["val"]["docs_consumed"] + meta["train"]["docs_consumed"]))
-        if fresh:  # after the source opened: an unreachable hub leaves no trace
-            with disk_errors(out / "meta.json", writer.shard_bytes()):
-                tokenizer.save(out)
-            writer.write_meta()
         remove_leftovers(out, meta)
         meta["progress"]["complete"] = False  # until this run finishes (written with the next shard)
-
         start = time.perf_counter()
-        encoded = encode_in_order(batched(stream, DOCS_PER_TASK), tokenizer, pool, args.workers)
         progress = Progress(remaining_tokens(meta, target_shards, corpus))
         try:
-            for lengths, tokens, digests in encoded:
+            for lengths, tokens, digests in encode_in_order(
+                batched(stream, DOCS_PER_TASK), tokenizer, pool, args.workers
+            ):
                 writer.feed(lengths, tokens, digests)
                 progress.update(tokens.size, meta["val"]["shards"] + meta["train"]["shards"])
                 if writer.done:
                     break
             else:
                 writer.finish()
-        except BaseException:
-            if fresh and meta["train"]["shards"] == 0:  # failed before the first shard: leave no half-made dir
-                for name in ("meta.json", "tokenizer.json"):
-                    (out / name).unlink(missing_ok=True)
-            raise
         finally:
             progress.close()
     meta["progress"]["complete"] = True

@@ -241,14 +241,14 @@ def test_resume_is_exact_while_the_prefetcher_runs_ahead(make_token_dir):
 
     loader = make(4)
     assert_same_batches([next(loader) for _ in range(5)], expected[:5])
-    wait_for(lambda: loader._prefetcher._queue.full())  # 4 batches built beyond the 5 returned
+    wait_for(lambda: loader._batches._queue.full())  # 4 batches built beyond the 5 returned
     assert loader.state_dict() == states[5]  # the state counts what was returned, not what was prefetched
     resumed = make(4)
     resumed.load_state_dict(json.loads(json.dumps(loader.state_dict())))
     assert_same_batches([next(resumed) for _ in range(25)], expected[5:])
     assert_same_batches([next(loader) for _ in range(10)], expected[5:15])
     # loading a state into a running loader drops what it prefetched and rewinds
-    wait_for(lambda: loader._prefetcher._queue.full())
+    wait_for(lambda: loader._batches._queue.full())
     loader.load_state_dict(states[2])
     assert_same_batches([next(loader) for _ in range(4)], expected[2:6])
     assert loader.state_dict() == states[6]
