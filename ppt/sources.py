@@ -42,17 +42,13 @@ def resolve_local_files(patterns: list[str]) -> list[Path]:
         matches = [os.path.expanduser(match) for match in matches]
         if not matches or not Path(matches[0]).exists():
             raise PPTError(f"--source {pattern!r} matches no file; pass fineweb, demo, or existing local files")
-        for match in matches:
-            path = Path(match).resolve()
-            if path.is_dir():
-                found = _folder_files(path)
-                if not found:
-                    raise PPTError(f"{path} holds no {', '.join(LOCAL_SUFFIXES)} files; pass a folder with some")
-                files += found
-                continue
-            if path.suffix not in LOCAL_SUFFIXES:
+        for path in (Path(match).resolve() for match in matches):
+            found = _folder_files(path) if path.is_dir() else [path]
+            if not found:
+                raise PPTError(f"{path} holds no {', '.join(LOCAL_SUFFIXES)} files; pass a folder with some")
+            if path.suffix not in LOCAL_SUFFIXES and not path.is_dir():
                 raise PPTError(f"{path}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)} files")
-            files.append(path)
+            files += found
     return files
 
 
@@ -69,9 +65,9 @@ def _folder_files(folder: Path) -> list[Path]:
 
 # Modules never imported for the demo corpus: they act on import (open a browser, print, start a GUI, read config
 # files, set up the terminal), are deprecated shims whose content depends on what else is installed, or are tests.
+# (pydoc_data's topics are taken whole, not as a module)
 DEMO_SKIP_MODULES = {"antigravity", "this", "idlelib", "turtle", "turtledemo", "readline", "lib2to3", "distutils"}
-
-DEMO_SKIP_MODULES |= {"pydoc_data"}  # its topics are taken whole, not as a module
+DEMO_SKIP_MODULES |= {"pydoc_data"}
 
 DEMO_SKIP_PARTS = {"test", "tests", "idle_test"}
 MIN_DEMO_TEXT = 20  # characters: shorter docstrings and comments ("Return self==value.") carry little text
@@ -194,12 +190,10 @@ def _utf8_error(path: Path, byte_offset: int) -> PPTError:
 
 
 def _txt_documents(path: Path) -> Iterator[str]:
-    data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        yield path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _utf8_error(path, exc.start) from exc
-    yield text
 
 
 def _jsonl_documents(path: Path) -> Iterator[str]:
@@ -268,17 +262,11 @@ def open_fineweb() -> Iterator[str]:
         raise PPTError(f"cannot open {FINEWEB_REPO} ({FINEWEB_CONFIG}): {exc}; {how_to_work_offline}") from exc
 
     def texts() -> Iterator[str]:
-        examples = iter(dataset)
-        while True:
-            try:
-                example = next(examples)
-            except StopIteration:
-                return
-            except Exception as exc:
-                raise PPTError(
-                    f"lost {FINEWEB_REPO} while streaming ({exc}); re-run the same command to resume"
-                ) from exc
-            yield example["text"]
+        try:
+            for example in dataset:
+                yield example["text"]
+        except Exception as exc:  # the consumer's errors never land here: only the stream's
+            raise PPTError(f"lost {FINEWEB_REPO} while streaming ({exc}); re-run the same command to resume") from exc
 
     return texts()
 

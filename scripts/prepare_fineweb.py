@@ -115,43 +115,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the modules' source comments), in a fixed shuffled order of documents, the first of which form the val "
         "split. It is the same on every run with the same Python build.",
     )
-    p.add_argument(
-        "--source",
-        nargs="+",
-        default=["fineweb"],
-        help="fineweb | demo | local .txt/.jsonl/.parquet files, folders of them, or globs",
-    )
+    p.add_argument("--source", nargs="+", default=["fineweb"],
+                   help="fineweb | demo | local .txt/.jsonl/.parquet files, folders of them, or globs")  # fmt: skip
     p.add_argument("--out", type=Path, help="data directory (default <cache>/data/fineweb-edu, .../demo or .../local)")
-    p.add_argument(
-        "--shards", type=positive_int, help="train shards to write (default: 1 for fineweb, all the data otherwise)"
-    )
+    p.add_argument("--shards", type=positive_int, help="train shards (default: 1 for fineweb, all the data otherwise)")
     p.add_argument("--shard-tokens", type=SHARD_TOKENS, help="tokens per train shard (default 100M; demo 100k)")
-    p.add_argument(
-        "--val-tokens",
-        type=SHARD_TOKENS,
-        help="tokens in the val shard (default 10M; local files: 5%% of the corpus, at most 10M; demo 50k)",
-    )
-    p.add_argument(
-        "--workers", type=positive_int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)"
-    )
-    p.add_argument(
-        "--shuffle-seed",
-        type=nonneg_int,
-        help="local files: shuffle their documents with this seed before the val/train split, so val is not just "
-        "the first files (the corpus is held in memory; default: the files' order)",
-    )
+    p.add_argument("--val-tokens", type=SHARD_TOKENS, help="tokens in the val shard (default 10M; local files: 5%% "
+                   "of the corpus, at most 10M; demo 50k)")  # fmt: skip
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help="tokenizing processes (all cores)")
+    p.add_argument("--shuffle-seed", type=nonneg_int, help="local files: shuffle their documents with this seed before "
+                   "the val/train split, so val is not just the first files (held in memory)")  # fmt: skip
     g = p.add_argument_group("tokenizer (default: the hub's cosmo2)")
     g.add_argument("--tokenizer", help=f"a hub name (default {DEFAULT_TOKENIZER}) or a local tokenizer.json")
-    g.add_argument(
-        "--train-tokenizer",
-        action="store_true",
-        help="train a byte-level BPE of --vocab-size on the local corpus itself (no hub needed)",
-    )
-    g.add_argument(
-        "--vocab-size",
-        type=VOCAB_SIZE,
-        help=f"vocabulary of the BPE that --train-tokenizer or the demo trains (default {DEFAULT_VOCAB})",
-    )
+    g.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the local corpus itself")
+    g.add_argument("--vocab-size", type=VOCAB_SIZE, help=f"vocabulary of the BPE that --train-tokenizer or the demo "
+                   f"trains (default {DEFAULT_VOCAB})")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -170,8 +148,8 @@ def val_split_tokens(requested: int | None, corpus: CorpusSize) -> int:
 def choose_tokenizer(args: argparse.Namespace, job: Job) -> tuple[Tokenizer, dict, CorpusSize | None]:
     """The tokenizer of a fresh data directory, how it was made (for meta.json), and for local files the corpus
     size (exact when training read it whole, else estimated from the files)."""
+    vocab = args.vocab_size or DEFAULT_VOCAB
     if job.kind == "demo":
-        vocab = args.vocab_size or DEFAULT_VOCAB
         return train_demo_tokenizer(demo_documents(), vocab), {"kind": "demo", "vocab_size_asked": vocab}, None
     if not args.train_tokenizer:
         name = args.tokenizer or DEFAULT_TOKENIZER
@@ -179,36 +157,30 @@ def choose_tokenizer(args: argparse.Namespace, job: Job) -> tuple[Tokenizer, dic
         origin = {"kind": "file" if Path(name).expanduser().exists() else "hub", "from": name}
         if job.kind != "local":
             return tokenizer, origin, None
-        estimate = CorpusSize(
-            len(job.files), estimate_text_bytes(job.files), False, bytes_per_token(tokenizer, job.documents())
-        )
-        return tokenizer, origin, estimate
-    vocab = args.vocab_size or DEFAULT_VOCAB
-    counted = {"docs": 0, "bytes": 0}
+        text_bytes, exact = estimate_text_bytes(job.files), False
+    else:
+        counted = {"docs": 0, "bytes": 0}
 
-    def counting() -> Iterator[str]:
-        for text in job.documents():
-            counted["docs"] += 1
-            counted["bytes"] += len(text.encode("utf-8"))
-            yield text
+        def counting() -> Iterator[str]:
+            for text in job.documents():
+                counted["docs"] += 1
+                counted["bytes"] += len(text.encode("utf-8"))
+                yield text
 
-    print(f"training a byte-level BPE of vocab {vocab} on the corpus ...", flush=True)
-    started = time.perf_counter()
-    tokenizer = train_bpe(counting(), vocab, f"corpus-bpe-{vocab}")
-    fewer = f" (the corpus holds no more merges; {vocab} were asked for)" if tokenizer.vocab_size < vocab else ""
-    print(f"trained {tokenizer.name} in {time.perf_counter() - started:.1f}s: {tokenizer.vocab_size} tokens{fewer}")
-    origin = {
-        "kind": "trained on this corpus",
-        "algorithm": "byte-level BPE (tokenizers BpeTrainer), EOT <|endoftext|> = id 0",
-        "vocab_size_asked": vocab,
-        "trained_on": f"every document of the source, val included ({counted['docs']:,} documents, "
-        f"{counted['bytes']:,} bytes)",
-    }
-    return (
-        tokenizer,
-        origin,
-        CorpusSize(len(job.files), counted["bytes"], True, bytes_per_token(tokenizer, job.documents())),
-    )
+        print(f"training a byte-level BPE of vocab {vocab} on the corpus ...", flush=True)
+        started = time.perf_counter()
+        tokenizer = train_bpe(counting(), vocab, f"corpus-bpe-{vocab}")
+        fewer = f" (the corpus holds no more merges; {vocab} were asked for)" if tokenizer.vocab_size < vocab else ""
+        print(f"trained {tokenizer.name} in {time.perf_counter() - started:.1f}s: {tokenizer.vocab_size} tokens{fewer}")
+        origin = {
+            "kind": "trained on this corpus",
+            "algorithm": "byte-level BPE (tokenizers BpeTrainer), EOT <|endoftext|> = id 0",
+            "vocab_size_asked": vocab,
+            "trained_on": f"every document of the source, val included ({counted['docs']:,} documents, "
+            f"{counted['bytes']:,} bytes)",
+        }
+        text_bytes, exact = counted["bytes"], True
+    return tokenizer, origin, CorpusSize(len(job.files), text_bytes, exact, bytes_per_token(tokenizer, job.documents()))
 
 
 def check_options(args: argparse.Namespace, kind: str) -> None:
