@@ -1,22 +1,7 @@
 """Token shards on disk and the data directory that holds them: the format, reading, writing, meta.json.
 
-Shard format, version 1. A fixed 1024-byte little-endian header, then the tokens:
-
-    offset  bytes  field
-    0       8      magic b"PPTSHARD"
-    8       4      format version, uint32 (1)
-    12      4      bytes per token, uint32: 2 (uint16 tokens, vocab <= 65536) or 4 (uint32 tokens)
-    16      8      token count, uint64
-    24      4      vocab size, uint32
-    28      4      EOT id, uint32
-    32      4      flags, uint32: bit 0 set when the offline demo tokenizer made the tokens; bit 1 always set (offset
-                   164 holds the largest token id)
-    36      32     tokenizer fingerprint: sha256 digest of the canonical tokenizer JSON
-    68      32     sha256 digest of the token bytes (the dataset fingerprint is made of these)
-    100     64     tokenizer name, UTF-8, NUL-padded
-    164     4      the largest token id in the shard, uint32
-    168     856    zeros
-    1024    ...    the tokens
+Shard format, version 1: a 1024-byte little-endian header (`_HEADER`; SPEC.md, "Shards and the data directory", has
+the table of its fields), then the tokens, uint16 when the vocabulary fits in 16 bits, else uint32.
 
 The token stream of every shard starts with EOT and every document is followed by EOT, so each document is preceded
 by the EOT that begins it (SPEC.md, "Documents and packing").
@@ -44,9 +29,11 @@ from ppt.tokenizer import Tokenizer, load_tokenizer
 MAGIC = b"PPTSHARD"
 VERSION = 1
 HEADER_BYTES = 1024
+# magic, version, bytes per token, token count, vocab size, EOT id, flags, tokenizer fingerprint (sha256 of its
+# canonical JSON), sha256 of the token bytes, tokenizer name (NUL-padded), largest token id; zeros to HEADER_BYTES
 _HEADER = struct.Struct("<8sIIQIII32s32s64sI")
-FLAG_DEMO = 1
-FLAG_MAX_ID = 2
+FLAG_DEMO = 1  # made by the offline demo tokenizer
+FLAG_MAX_ID = 2  # the header holds the largest token id: always set, and a shard without it is refused
 SPLITS = ("train", "val")
 PREPARE_HINT = (
     "create it with `python -m scripts.prepare_fineweb` (or `python -m scripts.prepare_fineweb --source demo` offline)"

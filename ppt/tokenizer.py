@@ -37,9 +37,7 @@ class Tokenizer:
     """A `tokenizers.Tokenizer` plus the facts ppt needs: EOT id, raw bytes per token, a fingerprint."""
 
     def __init__(self, backend: BackendTokenizer, name: str, is_demo: bool = False) -> None:
-        self.backend = backend
-        self.name = name
-        self.is_demo = is_demo
+        self.backend, self.name, self.is_demo = backend, name, is_demo
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         eot_id = backend.token_to_id(EOT_TOKEN)
         if eot_id is None:

@@ -42,15 +42,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ppt.common import (
-    MAX_TOKENS,
-    ArgumentParser,
-    Number,
-    PPTError,
-    format_sizes,
-    nonneg_int,
-    positive_int,
-)
+from ppt.common import MAX_TOKENS, ArgumentParser, Number, PPTError, format_sizes, nonneg_int, positive_int
 from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
 from ppt.shard_writer import (
@@ -267,7 +259,9 @@ def prepare(args: argparse.Namespace) -> None:
         documents = open_fineweb if kind == "fineweb" else lambda: iter(demo_documents())
     job = Job(kind, out, files, documents, args.shards if args.shards is not None else DEFAULTS[kind]["shards"])
     made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if this prepare leaves them empty
-    fresh = None if has_shards(out) else plan(args, job)  # settled before any directory is made
+    previous = read_meta(out) if (out / "meta.json").is_file() else None  # a killed prepare may have left no shard
+    resume = previous is not None and previous["val"]["shards"] + previous["train"]["shards"] > 0
+    fresh = None if resume else plan(args, job)  # settled before any directory is made
     lock = lock_directory(out, "pass another --out")  # one prepare per directory
     try:
         prepare_into(args, job, fresh)
@@ -276,14 +270,6 @@ def prepare(args: argparse.Namespace) -> None:
         for directory in made:
             if directory.is_dir() and not any(directory.iterdir()):
                 directory.rmdir()
-
-
-def has_shards(out: Path) -> bool:
-    """Whether `out` holds finished shards to resume (a prepare killed before its first shard left none)."""
-    if not (out / "meta.json").is_file():
-        return False
-    meta = read_meta(out)
-    return bool(meta["val"]["shards"] or meta["train"]["shards"])
 
 
 def plan(args: argparse.Namespace, job: Job) -> tuple[Tokenizer, dict, CorpusSize | None]:
