@@ -1,13 +1,12 @@
-"""The loader that packs token shards (ppt/shards.py) into training rows, for every rank.
+"""The loader that packs token shards (ppt/shards.py) into training rows, for every rank (SPEC.md, "Shards and the
+data directory", states the contract).
 
 Packing: each shard's stream is cut into rows of T+1 consecutive tokens, row i = tokens[i*T : i*T+T+1]; inputs are
 row[:-1] and targets row[1:]. `doc_pos` restarts at 0 at every EOT in the inputs and at the row start (a fragment at
 a row start is treated as a fresh document). Each epoch permutes the shard order and the row order inside each shard
-from (seed, epoch). Training rows go to the ranks in blocks of a batch, in turn (the rows after the last whole round
-of blocks one at a time): rank r's batch holds the rows micro-batch r of one process with the same batch size would
-read, so N ranks sum the gradients one process accumulating N micro-batches sums. Val rows go round-robin (global
-row g to rank g % world_size). Ranks are disjoint and together cover the epoch; its last rows, fewer than one per
-rank, are dropped so every rank gets as many.
+from (seed, epoch). Training rows go to the ranks in blocks of a batch (`_RowSource.global_row`), val rows
+round-robin. Ranks are disjoint and together cover the epoch; its last rows, fewer than one per rank, are dropped so
+every rank gets as many.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ from ppt.common import PPTError, warn0
 from ppt.shards import dataset_fingerprint, list_shards, out_of_vocab, read_shard
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # inputs int64 (B,T), targets int64 (B,T), doc_pos int32
+Item = tuple[Batch, np.ndarray, int, int]  # a batch, its tokens at each document position, the cursor after it
+STATE_KEYS = ("split", "epoch", "position", "seed", "seq_len", "world_size", "batch_size", "total_rows")
 
 
 class _RowSource:
@@ -38,16 +39,15 @@ class _RowSource:
         tokens: list[np.memmap],
         seq_len: int,
         eot_id: int,
+        vocab_size: int,
         rank: int,
         world_size: int,
         block: int,
         seed: int,
         pin_memory: bool,
-        vocab_size: int,
     ) -> None:
         self.tokens, self.seq_len, self.eot_id, self.vocab_size = tokens, seq_len, eot_id, vocab_size
-        self.rank, self.world_size, self.block, self.seed = rank, world_size, block, seed
-        self.pin_memory = pin_memory
+        self.rank, self.world_size, self.block, self.seed, self.pin_memory = rank, world_size, block, seed, pin_memory
         self.rows_per_shard = np.array([(t.size - 1) // seq_len for t in tokens], dtype=np.int64)
         self.rows_per_rank = int(self.rows_per_shard.sum()) // world_size
         self.rows_in_blocks = self.rows_per_rank // block * block  # this rank's rows dealt out in whole blocks
@@ -56,10 +56,9 @@ class _RowSource:
         self._row_perm: tuple[int, np.ndarray] | None = None  # (shard, its row order this epoch): ranks move forward
 
     def global_row(self, position: int) -> int:
-        """The epoch's global row number of this rank's row at `position`. Blocks of `block` rows (the batch size)
-        go to the ranks in turn, so a rank's batch holds the rows that the matching micro-batch of one process with
-        the same batch size and gradient accumulation over the ranks would: the two sum the same gradients. Rows
-        after the last whole round of blocks go round-robin, so every rank still gets rows_per_rank of them."""
+        """The epoch's global row number of this rank's row at `position`. Blocks of `block` rows (the batch size) go
+        to the ranks in turn, so rank r's batch holds the rows of micro-batch r of one process accumulating over the
+        ranks: the two sum the same gradients. The rows after the last whole round of blocks go round-robin."""
         W, B = self.world_size, self.block
         if position < self.rows_in_blocks:
             return position // B * W * B + self.rank * B + position % B
@@ -84,26 +83,27 @@ class _RowSource:
             self._row_perm = (shard, rng.permutation(int(self.rows_per_shard[shard])))
         return shard, int(self._row_perm[1][local])
 
-    def next_batch(
-        self, batch_size: int, epoch: int, position: int, shuffle: bool
-    ) -> tuple[Batch, np.ndarray, int, int]:
-        """The batch at cursor (epoch, position) in this rank's rows, how many of its tokens sit at each document
-        position (counts[p], 0 <= p < T: what the comparison-FLOPs rule needs), and the cursor after it."""
-        locations = []
-        for _ in range(batch_size):
-            if position == self.rows_per_rank:
-                epoch, position = epoch + 1, 0
-            locations.append(self.locate(epoch, self.global_row(position), shuffle))
-            position += 1
-        batch = self.build(locations)
-        return batch, np.bincount(batch[2].numpy().ravel(), minlength=self.seq_len), epoch, position
+    def batches(self, batch_size: int, epoch: int, position: int, shuffle: bool) -> Iterator[Item]:
+        """The batches after cursor (epoch, position) in this rank's rows, each with how many of its tokens sit at
+        each document position (counts[p], 0 <= p < T: what the comparison-FLOPs rule needs) and the cursor after
+        it."""
+        while True:
+            locations = []
+            for _ in range(batch_size):
+                if position == self.rows_per_rank:
+                    epoch, position = epoch + 1, 0
+                locations.append(self.locate(epoch, self.global_row(position), shuffle))
+                position += 1
+            batch = self.build(locations)
+            yield batch, np.bincount(batch[2].numpy().ravel(), minlength=self.seq_len), epoch, position
 
     def build(self, locations: list[tuple[int, int]]) -> Batch:
         """A host batch from (shard, row) pairs, gathered straight into its output tensors (pinned for CUDA)."""
         B, T = len(locations), self.seq_len
-        inputs = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin_memory)
-        targets = torch.empty((B, T), dtype=torch.int64, pin_memory=self.pin_memory)
-        doc_pos = torch.empty((B, T), dtype=torch.int32, pin_memory=self.pin_memory)
+        inputs, targets, doc_pos = (
+            torch.empty((B, T), dtype=dtype, pin_memory=self.pin_memory)
+            for dtype in (torch.int64, torch.int64, torch.int32)
+        )
         x, y = inputs.numpy(), targets.numpy()
         for i, (shard, row) in enumerate(locations):
             tokens = self.tokens[shard][row * T : row * T + T + 1]
@@ -121,32 +121,19 @@ class _RowSource:
 
 
 class _Prefetcher:
-    """A daemon thread that builds the batches after a cursor, in order, up to `depth` ahead of the consumer.
-
-    Each item carries the batch's document-position counts and the cursor after it, so the consumer's state is what
-    it has received. A failure in the
-    thread is raised by `get`. `close` (also run when the owning loader is collected) stops the thread.
-    """
+    """A daemon thread that runs `items` up to `depth` ahead of the consumer. A failure in the thread is raised by
+    `next`; `close` (also run when the owning loader is collected) stops the thread."""
 
     POLL_S = 0.1  # how often a thread blocked on a full queue checks whether it should stop
 
-    def __init__(
-        self,
-        source: _RowSource,
-        batch_size: int,
-        epoch: int,
-        position: int,
-        shuffle: bool,
-        depth: int,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, items: Iterator[Item], depth: int, device: torch.device) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        args = (source, batch_size, epoch, position, shuffle, device, self._queue, self._stop)
+        args = (items, device, self._queue, self._stop)
         self._thread = threading.Thread(target=_Prefetcher._run, args=args, name="ppt-prefetch", daemon=True)
         self._thread.start()
 
-    def get(self) -> tuple[Batch, np.ndarray, int, int]:
+    def __next__(self) -> Item:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -158,16 +145,7 @@ class _Prefetcher:
             self._thread.join()
 
     @staticmethod
-    def _run(
-        source: _RowSource,
-        batch_size: int,
-        epoch: int,
-        position: int,
-        shuffle: bool,
-        device: torch.device,
-        out: queue.Queue,
-        stop: threading.Event,
-    ) -> None:
+    def _run(items: Iterator[Item], device: torch.device, out: queue.Queue, stop: threading.Event) -> None:
         def put(item: object) -> bool:
             while not stop.is_set():
                 try:
@@ -180,9 +158,8 @@ class _Prefetcher:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the current device is per thread: pin memory in this rank's context
-            while True:
-                batch, counts, epoch, position = source.next_batch(batch_size, epoch, position, shuffle)
-                if not put((batch, counts, epoch, position)):
+            for item in items:
+                if not put(item):
                     return
         except BaseException as exc:  # the consumer raises it from next()
             put(exc)
@@ -230,38 +207,33 @@ class DataLoader:
         self.prefetch = prefetch
 
         shards = [read_shard(p, expected_fingerprint) for p in list_shards(self.data_dir, split)]
-        self.infos = [info for info, _ in shards]
-        first = self.infos[0]
-        for info in self.infos[1:]:
+        first = shards[0][0]
+        self.vocab_size = vocab_size or first.vocab_size
+        for info, _ in shards:
             if (info.tokenizer_fingerprint, info.eot_id) != (first.tokenizer_fingerprint, first.eot_id):
                 raise PPTError(
                     f"{info.path} and {first.path} were made by different tokenizers; "
                     "re-run prepare into an empty --out directory"
                 )
-        self.eot_id = first.eot_id
-        self.vocab_size = vocab_size or first.vocab_size
-        for info, tokens in shards:  # an id the model has no embedding for would crash it mid-run (CUDA: an assert)
-            largest = info.max_token_id if info.max_token_id is not None else int(tokens.max())  # older shards: a pass
-            if largest >= self.vocab_size:
-                raise PPTError(out_of_vocab(info.path, largest, self.vocab_size))
-        self.tokenizer_fingerprint = first.tokenizer_fingerprint
-        pin_memory = self.device.type == "cuda"  # page-locked host memory: the copy to the GPU runs asynchronously
-        # training rows go to ranks in blocks of a batch (see _RowSource.global_row); val rows one at a time
-        block = batch_size if self.shuffle else 1
+            if info.max_token_id >= self.vocab_size:  # no embedding for it: a crash mid-run (CUDA: an assert)
+                raise PPTError(out_of_vocab(info.path, info.max_token_id, self.vocab_size))
+        # training rows go to ranks in blocks of a batch (see _RowSource.global_row); val rows one at a time; pinned
+        # host memory makes the copy to a GPU asynchronous
         self._source = _RowSource(
-            [t for _, t in shards], seq_len, self.eot_id, rank, world_size, block, seed, pin_memory, self.vocab_size
-        )
+            [tokens for _, tokens in shards], seq_len, first.eot_id, self.vocab_size, rank, world_size,
+            batch_size if self.shuffle else 1, seed, pin_memory=self.device.type == "cuda",
+        )  # fmt: skip
         self.total_rows = int(self._source.rows_per_shard.sum())
         self.rows_per_rank = self._source.rows_per_rank
         if self.rows_per_rank == 0:
-            total = sum(info.num_tokens for info in self.infos)
+            total = sum(info.num_tokens for info, _ in shards)
             raise PPTError(
                 f"the {split} split of {self.data_dir} has {total} tokens, too few for one row of seq_len {seq_len} "
                 f"per rank ({world_size} ranks); lower seq_len or prepare more data"
             )
         self.epoch, self.position = 0, 0  # the cursor after the last batch returned: an index into this rank's rows
         self._doc_pos_counts = np.zeros(seq_len, dtype=np.int64)  # of the batches returned since the last take
-        self._prefetcher: _Prefetcher | None = None
+        self._batches: Iterator[Item] | None = None  # from the cursor on: a generator, or its prefetch thread
         self._stop_on_collect: weakref.finalize | None = None
 
     @property
@@ -278,22 +250,17 @@ class DataLoader:
         return self
 
     def __next__(self) -> Batch:
-        if self.prefetch == 0:
-            batch, counts, self.epoch, self.position = self._source.next_batch(
-                self.batch_size, self.epoch, self.position, self.shuffle
-            )
-        else:
-            if self._prefetcher is None:
-                self._prefetcher = _Prefetcher(
-                    self._source, self.batch_size, self.epoch, self.position, self.shuffle, self.prefetch, self.device
-                )
-                self._stop_on_collect = weakref.finalize(self, self._prefetcher.close)
+        if self._batches is None:
+            self._batches = self._source.batches(self.batch_size, self.epoch, self.position, self.shuffle)
+            if self.prefetch:
+                self._batches = prefetcher = _Prefetcher(self._batches, self.prefetch, self.device)
+                self._stop_on_collect = weakref.finalize(self, prefetcher.close)
                 self._stop_on_collect.atexit = False  # a daemon thread ends with the interpreter anyway
-            try:
-                batch, counts, self.epoch, self.position = self._prefetcher.get()
-            except BaseException:  # the thread's error, or Ctrl-C while waiting: no thread outlives it
-                self.close()
-                raise
+        try:
+            batch, counts, self.epoch, self.position = next(self._batches)
+        except BaseException:  # the thread's error, or Ctrl-C while waiting: no thread outlives it
+            self.close()
+            raise
         self._doc_pos_counts += counts
         return self._to_device(batch)
 
@@ -307,24 +274,20 @@ class DataLoader:
         return inputs, targets, doc_pos
 
     def close(self) -> None:
-        """Stop the prefetch thread (the next `next()` starts it again from the current state)."""
+        """Stop the prefetch thread (the next `next()` starts again from the current state)."""
         if self._stop_on_collect is not None:
             self._stop_on_collect()  # runs the prefetcher's close once, and no longer at collection
-        self._prefetcher = self._stop_on_collect = None
+        self._batches = self._stop_on_collect = None
 
     def state_dict(self) -> dict[str, int | str]:
-        return {
-            "split": self.split,
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
-            "total_rows": self.total_rows,
-        }
+        return {key: getattr(self, key) for key in STATE_KEYS}
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
+        if missing := set(STATE_KEYS) - state.keys():
+            raise PPTError(
+                f"the data loader state lacks {', '.join(sorted(missing))} (saved by an older ppt), so its batch order "
+                "cannot be continued; start the run again without --resume"
+            )
         for key in ("split", "seed", "seq_len", "world_size"):
             if state[key] != getattr(self, key):
                 raise PPTError(
@@ -336,13 +299,13 @@ class DataLoader:
                 f"{self.data_dir} changed since the loader state was saved ({state['total_rows']} rows, now "
                 f"{self.total_rows}); the resumed batch order will differ from an uninterrupted run"
             )
-        saved_batch = state.get("batch_size", self.batch_size)  # states before the field: assume unchanged
-        if self.world_size > 1 and self.shuffle and saved_batch != self.batch_size:
+        if self.world_size > 1 and self.shuffle and state["batch_size"] != self.batch_size:
             warn0(
-                f"the data loader state was saved with batch_size={saved_batch}, this run has {self.batch_size}: "
-                "ranks take rows in blocks of a batch, so the rest of this epoch repeats some rows and skips others"
+                f"the data loader state was saved with batch_size={state['batch_size']}, this run has "
+                f"{self.batch_size}: ranks take rows in blocks of a batch, so the rest of this epoch repeats some "
+                "rows and skips others"
             )
-        self.close()  # batches prefetched from the old position are dropped
+        self.close()  # batches built from the old position are dropped
         self.epoch, self.position = int(state["epoch"]), min(int(state["position"]), self.rows_per_rank)
         self._doc_pos_counts[:] = 0
 

@@ -1,9 +1,11 @@
 """Documents into shards (ppt/shards.py): tokenization on worker processes, in order, and the writer that fills the
-val shard, then train shards, recording its progress in meta.json after every finished shard so that an interrupted
-prepare resumes exactly (`python -m scripts.prepare_fineweb` drives it)."""
+val shard, then train shards, keeps one of each set of exact-duplicate documents, and records its progress in
+meta.json after every finished shard so that an interrupted prepare resumes exactly and a lost shard is rebuilt
+(`python -m scripts.prepare_fineweb` drives it)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import multiprocessing
 import os
@@ -20,23 +22,32 @@ import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 
 from ppt.common import PPTError, format_sizes
-from ppt.shards import shard_path, token_dtype, write_meta, write_shard
+from ppt.shards import META_FORMAT, read_shard, shard_path, token_dtype, write_meta, write_shard
 from ppt.tokenizer import Tokenizer
 
-META_FORMAT = 1
 VAL_SHARE = 0.05  # of a local corpus, for the default val split
+# What meta.json counts per split, beside shards and tokens: documents written; documents read from the source (empty
+# and duplicate ones too: a resume skips that many); documents dropped as exact copies of an earlier one; and of
+# those, the copies of a val document (in train: what would have leaked val into training)
+COUNTS = ("docs", "docs_consumed", "duplicates", "duplicates_of_val")
+Encoded = tuple[np.ndarray, np.ndarray, list[bytes]]  # tokens per document, all their tokens, the documents' digests
 
 # ---- tokenization ------------------------------------------------------------------------------------------------
 
 
-def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens per document, all tokens concatenated); each document ends with EOT, empty ones get 0 tokens."""
+def digest(text: str) -> bytes:
+    """16 bytes (blake2b) that tell documents apart: the writer keeps a set of them, not the texts."""
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> Encoded:
+    """Each document's token count (it ends with EOT; an empty one has 0), all tokens concatenated, its digest."""
     keep = [i for i, text in enumerate(texts) if text.strip()]
     encoded = tokenizer.encode_batch([texts[i] for i in keep])
     lengths = np.zeros(len(texts), dtype=np.int64)
     lengths[keep] = [len(ids) for ids in encoded]
     tokens = np.fromiter(itertools.chain.from_iterable(encoded), token_dtype(tokenizer.vocab_size), int(lengths.sum()))
-    return lengths, tokens
+    return lengths, tokens, [digest(text) for text in texts]
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -49,7 +60,7 @@ def _init_worker(tokenizer_json: str, name: str) -> None:
     _worker_tokenizer = Tokenizer(BackendTokenizer.from_str(tokenizer_json), name)
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_in_worker(texts: list[str]) -> Encoded:
     assert _worker_tokenizer is not None, "worker used before _init_worker"
     return encode_documents(_worker_tokenizer, texts)
 
@@ -82,7 +93,7 @@ def worker_pool(tokenizer: Tokenizer, workers: int) -> Iterator[Pool | None]:
 
 def encode_in_order(
     batches: Iterable[list[str]], tokenizer: Tokenizer, pool: Pool | None, workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+) -> Iterator[Encoded]:
     """Encode batches of documents, on the pool's workers if there is one, yielding results in input order.
 
     At most 2 * workers batches are in flight, so a streamed corpus is never read far ahead into memory.
@@ -111,20 +122,13 @@ def batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
 
 @dataclass
 class ShardBuffer:
-    """The documents of the shard being filled: EOT, doc, EOT, doc, EOT ..."""
+    """The documents of the shard being filled (EOT, doc, EOT, doc, EOT ...) and what it adds to meta.json's counts."""
 
     target_tokens: int
     eot_id: int
     parts: list[np.ndarray] = field(default_factory=list)
     tokens: int = 1  # the leading EOT
-    docs: int = 0
-    docs_consumed: int = 0  # documents read from the source, empty ones included
-
-    def add(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
-        self.parts.append(tokens)
-        self.tokens += tokens.size
-        self.docs += int(np.count_nonzero(lengths))
-        self.docs_consumed += lengths.size
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
 
     @property
     def full(self) -> bool:
@@ -135,94 +139,131 @@ class ShardBuffer:
 
 
 class ShardWriter:
-    """Fills the val shard, then train shards, and records progress in meta.json after every finished shard.
+    """Fills the val shard, then train shards, with the first of each set of exact-duplicate documents, and records
+    progress in meta.json after every finished shard.
 
     The val shard is held back until the first train shard is written, so a corpus too small for both leaves
-    nothing behind.
+    nothing behind. Duplicates are found by digest (16 bytes a document kept), val ones first: the val documents are
+    the first of the stream, so a later copy of one is dropped from train.
     """
 
     def __init__(self, out: Path, meta: dict, tokenizer: Tokenizer, target_shards: int | None) -> None:
         self.out, self.meta, self.tokenizer, self.target_shards = out, meta, tokenizer, target_shards
-        settings = meta["settings"]
-        val_done = meta["val"]["shards"] == 1
-        self.val = None if val_done else ShardBuffer(settings["val_tokens"], tokenizer.eot_id)
-        self.train = ShardBuffer(settings["shard_tokens"], tokenizer.eot_id)
+        self.val = None if meta["val"]["shards"] else self.buffer("val_tokens")
+        self.train = self.buffer("shard_tokens")
         self.done = self.finished(meta, target_shards)
+        self.seen: set[bytes] = set()  # digests of the documents kept
+        self.val_seen: set[bytes] = set()  # ... of those in val
+        self.last_length = 0  # tokens of the last document kept
         self.tokens_written = 0
+
+    def buffer(self, size: str) -> ShardBuffer:
+        return ShardBuffer(self.meta["settings"][size], self.tokenizer.eot_id)
 
     @staticmethod
     def finished(meta: dict, target_shards: int | None) -> bool:
         shards = meta["train"]["shards"]
         return meta["progress"]["exhausted"] or (target_shards is not None and shards >= target_shards)
 
-    def feed(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
-        """Add a batch of encoded documents, closing shards at the first document boundary past their size."""
-        ends = np.cumsum(lengths)
-        first = 0
-        while first < lengths.size and not self.done:
+    def remember(self, texts: Iterable[str]) -> None:
+        """Resuming: take the digests of the documents the finished shards consumed, so their copies are dropped."""
+        for index, text in enumerate(texts):
+            self.seen.add(digest(text))
+            if index < self.meta["val"]["docs_consumed"]:
+                self.val_seen.add(digest(text))
+
+    def feed(self, lengths: np.ndarray, tokens: np.ndarray, digests: list[bytes]) -> None:
+        """Add encoded documents in order, dropping exact duplicates; a shard closes at the first document boundary
+        past its size."""
+        for length, end, doc in zip(lengths.tolist(), np.cumsum(lengths).tolist(), digests):
+            if self.done:
+                return
             buffer = self.val if self.val is not None and not self.val.full else self.train
-            start = int(ends[first - 1]) if first else 0
-            # the first document whose end brings the buffer to its target size
-            last = int(np.searchsorted(ends, start + buffer.target_tokens - buffer.tokens, side="left"))
-            last = min(last, lengths.size - 1)
-            buffer.add(lengths[first : last + 1], tokens[start : int(ends[last])])
-            first = last + 1
+            buffer.counts["docs_consumed"] += 1
+            if not length:
+                continue
+            if doc in self.seen:
+                buffer.counts["duplicates"] += 1
+                buffer.counts["duplicates_of_val"] += doc in self.val_seen
+                continue
+            self.seen.add(doc)
+            if buffer is self.val:
+                self.val_seen.add(doc)
+            buffer.parts.append(tokens[end - length : end])
+            buffer.tokens += length
+            buffer.counts["docs"] += 1
+            self.last_length = length
             if buffer is self.train and buffer.full:
                 self.flush()
 
     def flush(self) -> None:
         """Write the pending val shard (if any) and the train shard, then the progress that covers them."""
-        dtype = token_dtype(self.tokenizer.vocab_size)
-        if self.val is not None:
-            self._write("val", 0, self.val.array(dtype), self.val)
+        if self.val is not None:  # the first shards: the tokenizer and meta.json go first, so a kill leaves a
+            # directory the next run resumes, and a prepare that fails before its first shard leaves nothing
+            with disk_errors(self.out / "tokenizer.json", self.shard_bytes()):
+                self.tokenizer.save(self.out)
+            self.write_meta()
+            self._write("val", self.val)
             self.val = None
-        index = self.meta["train"]["shards"]
-        self._write("train", index, self.train.array(dtype), self.train)
-        self.train = ShardBuffer(self.meta["settings"]["shard_tokens"], self.tokenizer.eot_id)
+        self._write("train", self.train)
+        self.train = self.buffer("shard_tokens")
+        self.meta["progress"]["train_shards"].append(dict(self.meta["train"]))  # where a rebuild of the next starts
         self.done = self.finished(self.meta, self.target_shards)
-        with disk_errors(self.out / "meta.json", self.shard_bytes()):
-            write_meta(self.out, self.meta)
+        self.write_meta()
+
+    def _write(self, split: str, buffer: ShardBuffer) -> None:
+        tok = self.tokenizer
+        array = buffer.array(token_dtype(tok.vocab_size))
+        path = shard_path(self.out, split, self.meta[split]["shards"])
+        with disk_errors(path, self.shard_bytes()):
+            write_shard(path, array, vocab_size=tok.vocab_size, eot_id=tok.eot_id, fingerprint=tok.fingerprint,
+                        demo=tok.is_demo, tokenizer_name=tok.name)  # fmt: skip
+        self.meta[split]["shards"] += 1
+        self.meta[split]["tokens"] += array.size
+        self._count(split, buffer)
+        self.tokens_written += array.size
+
+    def _count(self, split: str, buffer: ShardBuffer) -> None:
+        for key, value in buffer.counts.items():
+            self.meta[split][key] += value
 
     def shard_bytes(self) -> int:
         return self.meta["settings"]["shard_tokens"] * token_dtype(self.tokenizer.vocab_size).itemsize
 
-    def _write(self, split: str, index: int, array: np.ndarray, buffer: ShardBuffer) -> None:
-        tok = self.tokenizer
-        path = shard_path(self.out, split, index)
-        with disk_errors(path, self.shard_bytes()):
-            write_shard(
-                path,
-                array,
-                vocab_size=tok.vocab_size,
-                eot_id=tok.eot_id,
-                fingerprint=tok.fingerprint,
-                demo=tok.is_demo,
-                tokenizer_name=tok.name,
-            )
-        counts = self.meta[split]
-        counts["shards"] += 1
-        counts["docs"] += buffer.docs
-        counts["tokens"] += array.size
-        self.meta["progress"]["docs_consumed"] += buffer.docs_consumed
-        self.tokens_written += array.size
-
-    def finish(self) -> None:
-        """The source ran out: write what is left, or explain why there is nothing to write."""
-        if self.val is not None and (not self.val.full or self.train.docs == 0):
-            if self.val.docs == 0:
-                raise PPTError("the corpus has no documents (or only empty ones); check --source")
-            total = self.val.tokens + self.train.tokens - 1
-            raise PPTError(
-                f"the corpus is too small: its {total:,} tokens do not fill the val shard "
-                f"(--val-tokens {self.val.target_tokens}) and leave some for training; lower --val-tokens, "
-                f"e.g. --val-tokens {max(2, int(total * VAL_SHARE))} ({VAL_SHARE:.0%})"
-            )
-        if self.train.docs:
-            self.flush()
-        self.meta["progress"]["exhausted"] = True
-        self.done = True
+    def write_meta(self) -> None:
         with disk_errors(self.out / "meta.json", self.shard_bytes()):
             write_meta(self.out, self.meta)
+
+    def finish(self) -> None:
+        """The source ran out: write what is left, or say why there is nothing to write and what would work."""
+        if self.val is not None and (not self.val.full or not self.train.counts["docs"]):
+            self.too_small()
+        if self.train.counts["docs"]:
+            self.flush()
+        else:  # only empty or duplicate documents since the last shard: counted, no shard
+            self._count("train", self.train)
+        self.meta["progress"]["exhausted"] = True
+        self.done = True
+        self.write_meta()
+
+    def too_small(self) -> None:
+        val, train = self.val.counts, self.train.counts
+        docs, duplicates = val["docs"] + train["docs"], val["duplicates"] + train["duplicates"]
+        dropped = f" ({duplicates:,} exact duplicates dropped)" if duplicates else ""
+        if not docs:
+            raise PPTError("the corpus has no documents (or only empty ones); check --source")
+        if docs == 1:
+            raise PPTError(
+                f"the corpus holds one document{dropped}, and val and train each take whole documents; split it into "
+                "several (files, or lines of a .jsonl) and prepare again"
+            )
+        total = self.val.tokens + self.train.tokens - 1
+        fits = max(2, min(int(total * VAL_SHARE), total - self.last_length))  # val closes before the last document
+        raise PPTError(
+            f"the corpus is too small: its {total:,} tokens in {docs:,} documents{dropped} do not fill the val shard "
+            f"(--val-tokens {self.val.target_tokens}) and leave a document for training; lower --val-tokens, e.g. "
+            f"--val-tokens {fits}"
+        )
 
 
 @contextmanager
@@ -237,6 +278,13 @@ def disk_errors(path: Path, shard_bytes: int) -> Iterator[None]:
         ) from exc
 
 
+# ---- meta.json: the record that resumes -------------------------------------------------------------------------
+
+
+def _zero_counts() -> dict[str, int]:
+    return {"shards": 0, "tokens": 0, **dict.fromkeys(COUNTS, 0)}
+
+
 def new_meta(
     source: str | list[str],
     tokenizer: Tokenizer,
@@ -246,9 +294,6 @@ def new_meta(
     origin: dict | None = None,
 ) -> dict:
     """A fresh meta.json. `origin` says where the tokenizer came from (hub, file, demo, or trained on this corpus)."""
-    settings = {"shard_tokens": shard_tokens, "val_tokens": val_tokens}
-    if shuffle_seed is not None:  # absent otherwise, as in directories prepared before the option existed
-        settings["shuffle_seed"] = shuffle_seed
     return {
         "format": META_FORMAT,
         "source": source,
@@ -258,12 +303,14 @@ def new_meta(
             "is_demo": tokenizer.is_demo,
             "vocab_size": tokenizer.vocab_size,
             "eot_id": tokenizer.eot_id,
-            **({"origin": origin} if origin else {}),
+            "origin": origin,
         },
-        "settings": settings,
-        "val": {"shards": 0, "docs": 0, "tokens": 0},
-        "train": {"shards": 0, "docs": 0, "tokens": 0},
-        "progress": {"docs_consumed": 0, "exhausted": False, "complete": False},  # complete: this prepare finished
+        "settings": {"shard_tokens": shard_tokens, "val_tokens": val_tokens, "shuffle_seed": shuffle_seed},
+        "val": _zero_counts(),
+        "train": _zero_counts(),
+        # exhausted: the source ran out; complete: the last prepare finished; train_shards: the train counts after
+        # each train shard, where a rebuild of the next one starts
+        "progress": {"exhausted": False, "complete": False, "train_shards": []},
     }
 
 
@@ -282,8 +329,28 @@ def check_resumable(out: Path, meta: dict, expected: dict) -> None:
         )
 
 
+def roll_back_to_damaged(out: Path, meta: dict) -> None:
+    """End meta.json's progress before the first shard it records that is missing or damaged (header, size), so
+    that this prepare writes that shard, and the ones after it, again."""
+    for split in ("val", "train"):
+        for index in range(meta[split]["shards"]):
+            path = shard_path(out, split, index)
+            try:
+                read_shard(path, meta["tokenizer"]["fingerprint"])
+            except PPTError:
+                print(
+                    f"{path} is {'damaged' if path.exists() else 'missing'}: writing it, and the shards after it, again"
+                )
+                keep = index if split == "train" else 0  # the val shard is written with the first train shard
+                kept = meta["progress"]["train_shards"][:keep]
+                meta["train"] = dict(kept[-1]) if kept else _zero_counts()
+                meta["val"] = meta["val"] if keep else _zero_counts()
+                meta["progress"].update(exhausted=False, complete=False, train_shards=kept)
+                return
+
+
 def remove_leftovers(out: Path, meta: dict) -> None:
-    """Temp files of a killed write, and shards written after the last progress update (rewritten anyway)."""
+    """Temp files of a killed write, and shards past those meta.json records (rewritten anyway)."""
     for tmp in out.glob(".*.tmp"):
         tmp.unlink()
     for split in ("val", "train"):

@@ -1,34 +1,14 @@
 """Token shards on disk and the data directory that holds them: the format, reading, writing, meta.json.
 
-Shard format, version 1. A fixed 1024-byte little-endian header, then the tokens:
-
-    offset  bytes  field
-    0       8      magic b"PPTSHARD"
-    8       4      format version, uint32 (1)
-    12      4      bytes per token, uint32: 2 (uint16 tokens, vocab <= 65536) or 4 (uint32 tokens)
-    16      8      token count, uint64
-    24      4      vocab size, uint32
-    28      4      EOT id, uint32
-    32      4      flags, uint32: bit 0 set when the offline demo tokenizer made the tokens; bit 1 when offset 164
-                   holds the largest token id
-    36      32     tokenizer fingerprint: sha256 digest of the canonical tokenizer JSON
-    68      32     sha256 digest of the token bytes (the dataset fingerprint is made of these)
-    100     64     tokenizer name, UTF-8, NUL-padded
-    164     4      the largest token id in the shard, uint32 (shards written before it existed: 0, bit 1 unset)
-    168     856    zeros
-    1024    ...    the tokens
+Shard format, version 1: a 1024-byte little-endian header (`_HEADER`; SPEC.md, "Shards and the data directory", has
+the table of its fields), then the tokens, uint16 when the vocabulary fits in 16 bits, else uint32.
 
 The token stream of every shard starts with EOT and every document is followed by EOT, so each document is preceded
 by the EOT that begins it (SPEC.md, "Documents and packing").
 
-Data directory (made by `python -m scripts.prepare_fineweb`):
-
-    <data_dir>/val_00000.bin        the first documents of the source
-    <data_dir>/train_00000.bin ...  the documents after them; never overlapping val
-    <data_dir>/tokenizer.json       the tokenizer that made the shards
-    <data_dir>/meta.json            source, tokenizer (name, fingerprint, is_demo), doc and token counts, progress
-
-The loader that packs shards into training rows is ppt/data.py; prepare's writer is ppt/shard_writer.py.
+A data directory (made by `python -m scripts.prepare_fineweb`) holds val_00000.bin (the first documents of the
+source), train_00000.bin ... (the documents after them), tokenizer.json and meta.json (ppt/shard_writer.py's
+new_meta). The loader that packs shards into training rows is ppt/data.py.
 """
 
 from __future__ import annotations
@@ -49,13 +29,20 @@ from ppt.tokenizer import Tokenizer, load_tokenizer
 MAGIC = b"PPTSHARD"
 VERSION = 1
 HEADER_BYTES = 1024
+# magic, version, bytes per token, token count, vocab size, EOT id, flags, tokenizer fingerprint (sha256 of its
+# canonical JSON), sha256 of the token bytes, tokenizer name (NUL-padded), largest token id; zeros to HEADER_BYTES
 _HEADER = struct.Struct("<8sIIQIII32s32s64sI")
-FLAG_DEMO = 1
-FLAG_MAX_ID = 2
+FLAG_DEMO = 1  # made by the offline demo tokenizer
+FLAG_MAX_ID = 2  # the header holds the largest token id: always set, and a shard without it is refused
 SPLITS = ("train", "val")
 PREPARE_HINT = (
     "create it with `python -m scripts.prepare_fineweb` (or `python -m scripts.prepare_fineweb --source demo` offline)"
 )
+PREPARE_AGAIN = "prepare the data again into a new --out"
+REBUILD_HINT = (
+    "re-run the prepare command that made it (same --source and --out): it rebuilds missing and damaged shards"
+)
+META_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -71,7 +58,7 @@ class ShardInfo:
     tokenizer_name: str
     is_demo: bool
     tokens_sha256: str
-    max_token_id: int | None  # None in shards written before the header recorded it
+    max_token_id: int
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -109,22 +96,12 @@ def write_shard(
         raise PPTError(f"a shard's token stream must start with EOT ({eot_id}), got {int(tokens[0])}")
     if len(fingerprint) != 64:
         raise PPTError(f"tokenizer fingerprint must be a sha256 hex digest, got {fingerprint!r}")
-    data = tokens.astype(token_dtype(vocab_size), copy=False).tobytes()
-    tokens_sha256 = hashlib.sha256(data).digest()
-    name_bytes = tokenizer_name.encode("utf-8")[:64]
+    dtype = token_dtype(vocab_size)
+    data = tokens.astype(dtype, copy=False).tobytes()
     header = _HEADER.pack(
-        MAGIC,
-        VERSION,
-        token_dtype(vocab_size).itemsize,
-        tokens.size,
-        vocab_size,
-        eot_id,
-        FLAG_MAX_ID | (FLAG_DEMO if demo else 0),
-        bytes.fromhex(fingerprint),
-        tokens_sha256,
-        name_bytes,
-        int(tokens.max()),
-    ).ljust(HEADER_BYTES, b"\0")
+        MAGIC, VERSION, dtype.itemsize, tokens.size, vocab_size, eot_id, FLAG_MAX_ID | (FLAG_DEMO if demo else 0),
+        bytes.fromhex(fingerprint), hashlib.sha256(data).digest(), tokenizer_name.encode()[:64], int(tokens.max()),
+    ).ljust(HEADER_BYTES, b"\0")  # fmt: skip
     with atomic_file(path) as f:
         f.write(header)
         f.write(data)
@@ -148,7 +125,9 @@ def read_shard(
     fields = _HEADER.unpack_from(raw)
     _, version, itemsize, num_tokens, vocab_size, eot_id, flags, fp, tokens_sha, name, max_id = fields
     if version != VERSION:
-        raise PPTError(f"{path} has shard format version {version}, this ppt reads {VERSION}; re-run prepare")
+        raise PPTError(f"{path} has shard format version {version}, this ppt reads {VERSION}; {PREPARE_AGAIN}")
+    if not flags & FLAG_MAX_ID:
+        raise PPTError(f"{path} was written by an older ppt: its header lacks the largest token id; {PREPARE_AGAIN}")
     dtype = token_dtype(vocab_size)
     if itemsize != dtype.itemsize:
         raise PPTError(
@@ -157,22 +136,10 @@ def read_shard(
     expected_size = HEADER_BYTES + num_tokens * itemsize
     if size != expected_size:
         problem = "truncated shard" if size < expected_size else "shard has trailing bytes"
-        raise PPTError(
-            f"{path}: {problem} ({size} bytes, header says {expected_size}); delete it and re-run prepare, "
-            "which resumes where it stopped"
-        )
-    info = ShardInfo(
-        path,
-        num_tokens,
-        vocab_size,
-        eot_id,
-        dtype,
-        fp.hex(),
-        name.rstrip(b"\0").decode("utf-8", errors="ignore"),
-        bool(flags & FLAG_DEMO),
-        tokens_sha.hex(),
-        max_id if flags & FLAG_MAX_ID else None,
-    )
+        raise PPTError(f"{path}: {problem} ({size} bytes, header says {expected_size}); {REBUILD_HINT}")
+    tokenizer_name = name.rstrip(b"\0").decode("utf-8", errors="ignore")
+    info = ShardInfo(path, num_tokens, vocab_size, eot_id, dtype, fp.hex(), tokenizer_name, bool(flags & FLAG_DEMO),
+                     tokens_sha.hex(), max_id)  # fmt: skip
     if expected_fingerprint is not None and info.tokenizer_fingerprint != expected_fingerprint:
         made_by = _describe_tokenizer(info.tokenizer_name, info.tokenizer_fingerprint, info.is_demo)
         raise PPTError(
@@ -198,13 +165,21 @@ def shard_path(data_dir: str | Path, split: str, index: int) -> Path:
 
 
 def list_shards(data_dir: str | Path, split: str) -> list[Path]:
-    """The split's shards in index order; PPTError naming the prepare command when there are none."""
+    """The split's shards in index order; PPTError naming the prepare command when there are none, and the fix when
+    fewer are there than meta.json records (nothing trains on part of the data without a word)."""
     if split not in SPLITS:
         raise PPTError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise PPTError(f"data directory {data_dir} does not exist; {PREPARE_HINT}")
     paths = sorted(data_dir.glob(f"{split}_[0-9][0-9][0-9][0-9][0-9].bin"))
+    if (data_dir / "meta.json").is_file():
+        recorded = [shard_path(data_dir, split, i) for i in range(read_meta(data_dir)[split]["shards"])]
+        if missing := [path.name for path in recorded if not path.is_file()]:
+            raise PPTError(
+                f"{data_dir} lacks {', '.join(missing)} of the {len(recorded)} {split} shards its meta.json records; "
+                f"{REBUILD_HINT}"
+            )
     if not paths:
         raise PPTError(f"no {split} shards in {data_dir}; {PREPARE_HINT}")
     return paths
@@ -215,9 +190,12 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise PPTError(f"{path} is missing; {PREPARE_HINT}")
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise PPTError(f"{path} is not valid JSON ({exc}); delete the data directory and re-run prepare") from exc
+    if meta.get("format") != META_FORMAT:
+        raise PPTError(f"{path} is of format {meta.get('format')}, this ppt reads {META_FORMAT}; {PREPARE_AGAIN}")
+    return meta
 
 
 def check_prepared(data_dir: str | Path) -> str | None:
@@ -226,7 +204,7 @@ def check_prepared(data_dir: str | Path) -> str | None:
     if user := directory_user(Path(data_dir)):
         raise PPTError(f"{data_dir} is being written by a prepare ({user}); train on it once that has finished")
     meta = read_meta(data_dir)
-    if meta.get("progress", {}).get("complete") is False:  # absent in directories prepared before it was recorded
+    if not meta["progress"]["complete"]:
         return (
             f"the prepare of {data_dir} stopped before it finished ({meta['train']['shards']} train shards); training "
             "on what is there. Rerun the same prepare command to finish it"

@@ -18,12 +18,12 @@ import sys
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
 from ppt.common import PPTError, format_sizes
-from ppt.tokenizer import Tokenizer
+from ppt.tokenizer import Tokenizer, hub_offline
 
 FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -42,17 +42,13 @@ def resolve_local_files(patterns: list[str]) -> list[Path]:
         matches = [os.path.expanduser(match) for match in matches]
         if not matches or not Path(matches[0]).exists():
             raise PPTError(f"--source {pattern!r} matches no file; pass fineweb, demo, or existing local files")
-        for match in matches:
-            path = Path(match).resolve()
-            if path.is_dir():
-                found = _folder_files(path)
-                if not found:
-                    raise PPTError(f"{path} holds no {', '.join(LOCAL_SUFFIXES)} files; pass a folder with some")
-                files += found
-                continue
-            if path.suffix not in LOCAL_SUFFIXES:
+        for path in (Path(match).resolve() for match in matches):
+            found = _folder_files(path) if path.is_dir() else [path]
+            if not found:
+                raise PPTError(f"{path} holds no {', '.join(LOCAL_SUFFIXES)} files; pass a folder with some")
+            if path.suffix not in LOCAL_SUFFIXES and not path.is_dir():
                 raise PPTError(f"{path}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)} files")
-            files.append(path)
+            files += found
     return files
 
 
@@ -69,9 +65,9 @@ def _folder_files(folder: Path) -> list[Path]:
 
 # Modules never imported for the demo corpus: they act on import (open a browser, print, start a GUI, read config
 # files, set up the terminal), are deprecated shims whose content depends on what else is installed, or are tests.
+# (pydoc_data's topics are taken whole, not as a module)
 DEMO_SKIP_MODULES = {"antigravity", "this", "idlelib", "turtle", "turtledemo", "readline", "lib2to3", "distutils"}
-
-DEMO_SKIP_MODULES |= {"pydoc_data"}  # its topics are taken whole, not as a module
+DEMO_SKIP_MODULES |= {"pydoc_data"}
 
 DEMO_SKIP_PARTS = {"test", "tests", "idle_test"}
 MIN_DEMO_TEXT = 20  # characters: shorter docstrings and comments ("Return self==value.") carry little text
@@ -194,12 +190,10 @@ def _utf8_error(path: Path, byte_offset: int) -> PPTError:
 
 
 def _txt_documents(path: Path) -> Iterator[str]:
-    data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        yield path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _utf8_error(path, exc.start) from exc
-    yield text
 
 
 def _jsonl_documents(path: Path) -> Iterator[str]:
@@ -222,15 +216,27 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
             yield record["text"]
 
 
+@contextmanager
+def _parquet_errors(path: Path) -> Iterator[None]:
+    """A damaged or non-parquet file (pyarrow raises ArrowInvalid, OSError ...) as one line."""
+    try:
+        yield
+    except Exception as exc:
+        raise PPTError(
+            f"{path} is not a readable parquet file ({exc}); re-export it, or leave it out of --source"
+        ) from exc
+
+
 def _parquet_documents(path: Path) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    with _parquet_errors(path):
+        parquet = pq.ParquetFile(path)
     if "text" not in parquet.schema_arrow.names:
         raise PPTError(f"{path} has no `text` column (columns: {', '.join(parquet.schema_arrow.names)})")
-    for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            yield text or ""
+    with _parquet_errors(path):  # a damaged page shows only when read
+        for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
+            yield from (text or "" for text in batch.column(0).to_pylist())
 
 
 def local_documents(files: list[Path]) -> Iterator[str]:
@@ -239,12 +245,11 @@ def local_documents(files: list[Path]) -> Iterator[str]:
         yield from readers[path.suffix](path)
 
 
-def open_fineweb(skip: int) -> Iterator[str]:
+def open_fineweb() -> Iterator[str]:
     """Stream FineWeb-Edu-Dedup from the hub; with HF_HUB_OFFLINE set, read a dataset already in the HF cache.
 
     Opens the dataset now, so an unreachable hub fails before anything is written.
     """
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
     how_to_work_offline = (
         "to work offline use `--source demo`, or local .txt/.jsonl/.parquet files, or set HF_HUB_OFFLINE=1 "
         "with the dataset already in the Hugging Face cache"
@@ -252,24 +257,16 @@ def open_fineweb(skip: int) -> Iterator[str]:
     try:
         import datasets  # lazy: importing this script never touches the network
 
-        dataset = datasets.load_dataset(FINEWEB_REPO, FINEWEB_CONFIG, split="train", streaming=not offline)
+        dataset = datasets.load_dataset(FINEWEB_REPO, FINEWEB_CONFIG, split="train", streaming=not hub_offline())
     except Exception as exc:  # connection, auth, missing cache: all mean "cannot get the data"
         raise PPTError(f"cannot open {FINEWEB_REPO} ({FINEWEB_CONFIG}): {exc}; {how_to_work_offline}") from exc
-    if skip:
-        dataset = dataset.skip(skip)
 
     def texts() -> Iterator[str]:
-        examples = iter(dataset)
-        while True:
-            try:
-                example = next(examples)
-            except StopIteration:
-                return
-            except Exception as exc:
-                raise PPTError(
-                    f"lost {FINEWEB_REPO} while streaming ({exc}); re-run the same command to resume"
-                ) from exc
-            yield example["text"]
+        try:
+            for example in dataset:
+                yield example["text"]
+        except Exception as exc:  # the consumer's errors never land here: only the stream's
+            raise PPTError(f"lost {FINEWEB_REPO} while streaming ({exc}); re-run the same command to resume") from exc
 
     return texts()
 
@@ -309,7 +306,8 @@ def estimate_text_bytes(files: list[Path]) -> int:
         elif path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            metadata = pq.ParquetFile(path).metadata
+            with _parquet_errors(path):
+                metadata = pq.ParquetFile(path).metadata
             columns = [metadata.schema.column(i).path for i in range(metadata.num_columns)]
             if "text" in columns:
                 column = columns.index("text")

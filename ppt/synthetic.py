@@ -10,7 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from ppt.shards import shard_path, write_meta, write_shard
+from ppt.shards import META_FORMAT, shard_path, write_meta, write_shard
 from ppt.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
 
 
@@ -64,7 +64,7 @@ def write_synthetic_data(
     write_meta(
         directory,
         {
-            "format": 1,
+            "format": META_FORMAT,
             "source": "synthetic",
             "tokenizer": {
                 "name": tokenizer.name,
@@ -73,5 +73,8 @@ def write_synthetic_data(
                 "vocab_size": vocab_size,
                 "eot_id": 0,
             },
+            "val": {"shards": 1},
+            "train": {"shards": 1},
+            "progress": {"complete": True},
         },
     )

@@ -37,9 +37,7 @@ class Tokenizer:
     """A `tokenizers.Tokenizer` plus the facts ppt needs: EOT id, raw bytes per token, a fingerprint."""
 
     def __init__(self, backend: BackendTokenizer, name: str, is_demo: bool = False) -> None:
-        self.backend = backend
-        self.name = name
-        self.is_demo = is_demo
+        self.backend, self.name, self.is_demo = backend, name, is_demo
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         eot_id = backend.token_to_id(EOT_TOKEN)
         if eot_id is None:
@@ -96,7 +94,7 @@ class Tokenizer:
         return path
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
@@ -139,7 +137,7 @@ def load_tokenizer(name_or_path: str | Path = DEFAULT_TOKENIZER) -> Tokenizer:
         raise PPTError(f"no tokenizer at {name!r}: pass a tokenizer.json, a directory holding one, or a hub name")
     cached = cache_dir() / "tokenizers" / name.replace("/", "--") / "tokenizer.json"
     if not cached.is_file():
-        if _hub_offline():
+        if hub_offline():
             raise PPTError(
                 f"tokenizer {name!r} is not cached in {cached.parent} and HF_HUB_OFFLINE is set; {OFFLINE_HINT}"
             )

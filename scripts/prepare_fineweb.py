@@ -10,26 +10,27 @@ Sources: `fineweb` streams HuggingFaceTB/smollm-corpus (config fineweb-edu-dedup
 the Python running this script ships (see `demo_documents`: about 3 MB, 0.85M tokens at vocab 4096) and trains its
 own small BPE on it; anything else is local files, folders (every .txt/.jsonl/.parquet file under them) or globs:
 `.txt` is one document per file (UTF-8), `.jsonl` one per line (its `text` field), `.parquet` one per row (its `text`
-column). Empty documents are skipped. The val shard holds the first documents of the stream (after --shuffle-seed,
-if given) and the train shards the documents after them, so they never overlap; a shard closes at the first document
-boundary past its size. For local files the val split defaults to 5% of the corpus (at most 10M tokens), sized
-before anything is tokenized from the corpus size and the tokenizer's bytes per token on its first megabyte.
+column). Empty documents are skipped, and so is a document identical to an earlier one (counted in the summary and
+meta.json). The val shard holds the first documents of the stream (after --shuffle-seed, if given) and the train
+shards the documents after them, so they never overlap; a shard closes at the first document boundary past its size.
+For local files the val split defaults to 5% of the corpus (at most 10M tokens), sized before anything is tokenized
+from the corpus size and the tokenizer's bytes per token on its first megabyte.
 
 Tokenizers: cosmo2 from the hub by default; `--tokenizer path/to/tokenizer.json` for a local one; or
 `--train-tokenizer --vocab-size N` to train a byte-level BPE on the corpus itself (all of it, val included). meta.json
 records which, and how it was made.
 
 Interrupted runs resume: shards are written atomically and meta.json counts the documents the finished shards
-consumed, so a rerun skips exactly those and continues. Rerunning a finished prepare does nothing; rerunning it
-with a larger --shards adds shards. One prepare at a time per --out: a second one stops with the first one's pid.
-Progress shows as a bar on a terminal, and as a line every minute otherwise (nohup, batch jobs).
+consumed, so a rerun skips exactly those and continues. A rerun also rewrites a recorded shard that went missing or
+was damaged since; otherwise rerunning a finished prepare does nothing, and with a larger --shards adds shards. One
+prepare at a time per --out: a second one stops with the first one's pid. Progress shows as a bar on a terminal, and
+as a line every minute otherwise (nohup, batch jobs), where no library draws a bar either.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import shutil
 import signal
@@ -41,28 +42,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ppt.common import (
-    MAX_TOKENS,
-    ArgumentParser,
-    Number,
-    PPTError,
-    format_sizes,
-    nonneg_int,
-    positive_int,
-)
+from ppt.common import MAX_TOKENS, ArgumentParser, Number, PPTError, format_sizes, nonneg_int, positive_int
+from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
 from ppt.shard_writer import (
     VAL_SHARE,
     ShardWriter,
     batched,
     check_resumable,
-    disk_errors,
     encode_in_order,
     new_meta,
     remove_leftovers,
+    roll_back_to_damaged,
     worker_pool,
 )
-from ppt.shards import default_data_dir, load_data_tokenizer, read_meta, token_dtype, write_meta
+from ppt.shards import default_data_dir, load_data_tokenizer, read_meta, token_dtype
 from ppt.sources import (
     CorpusSize,
     bytes_per_token,
@@ -81,18 +75,27 @@ SHARD_TOKENS = Number(int, 2, MAX_TOKENS, scientific=True)
 VOCAB_SIZE = Number(int, 258, 2**32 - 1)  # 256 bytes + EOT at least; ids are stored as uint32 at most
 
 
-@dataclass(frozen=True)
-class Defaults:
-    shards: int | None  # None: until the source runs out
-    shard_tokens: int
-    val_tokens: int
-
-
+# per source: train shards (None: until the source runs out), tokens a train shard, tokens in the val shard
 DEFAULTS = {
-    "fineweb": Defaults(shards=1, shard_tokens=100_000_000, val_tokens=10_000_000),
-    "local": Defaults(shards=None, shard_tokens=100_000_000, val_tokens=10_000_000),
-    "demo": Defaults(shards=None, shard_tokens=100_000, val_tokens=50_000),
+    "fineweb": {"shards": 1, "shard_tokens": 100_000_000, "val_tokens": 10_000_000},
+    "local": {"shards": None, "shard_tokens": 100_000_000, "val_tokens": 10_000_000},
+    "demo": {"shards": None, "shard_tokens": 100_000, "val_tokens": 50_000},
 }
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the command line asks for, resolved."""
+
+    kind: str  # fineweb, demo or local
+    out: Path
+    files: list[Path]  # local ones
+    documents: Callable[[], Iterator[str]]  # the source's documents from the first (fineweb: opens the stream)
+    target_shards: int | None  # None: until the source runs out
+
+    @property
+    def source(self) -> str | list[str]:
+        return [str(f) for f in self.files] if self.files else self.kind
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,50 +107,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the modules' source comments), in a fixed shuffled order of documents, the first of which form the val "
         "split. It is the same on every run with the same Python build.",
     )
-    p.add_argument(
-        "--source",
-        nargs="+",
-        default=["fineweb"],
-        help="fineweb | demo | local .txt/.jsonl/.parquet files, folders of them, or globs",
-    )
+    p.add_argument("--source", nargs="+", default=["fineweb"],
+                   help="fineweb | demo | local .txt/.jsonl/.parquet files, folders of them, or globs")  # fmt: skip
     p.add_argument("--out", type=Path, help="data directory (default <cache>/data/fineweb-edu, .../demo or .../local)")
-    p.add_argument(
-        "--shards", type=positive_int, help="train shards to write (default: 1 for fineweb, all the data otherwise)"
-    )
+    p.add_argument("--shards", type=positive_int, help="train shards (default: 1 for fineweb, all the data otherwise)")
     p.add_argument("--shard-tokens", type=SHARD_TOKENS, help="tokens per train shard (default 100M; demo 100k)")
-    p.add_argument(
-        "--val-tokens",
-        type=SHARD_TOKENS,
-        help="tokens in the val shard (default 10M; local files: 5%% of the corpus, at most 10M; demo 50k)",
-    )
-    p.add_argument(
-        "--workers", type=positive_int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)"
-    )
-    p.add_argument(
-        "--shuffle-seed",
-        type=nonneg_int,
-        help="local files: shuffle their documents with this seed before the val/train split, so val is not just "
-        "the first files (the corpus is held in memory; default: the files' order)",
-    )
+    p.add_argument("--val-tokens", type=SHARD_TOKENS, help="tokens in the val shard (default 10M; local files: 5%% "
+                   "of the corpus, at most 10M; demo 50k)")  # fmt: skip
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help="tokenizing processes (all cores)")
+    p.add_argument("--shuffle-seed", type=nonneg_int, help="local files: shuffle their documents with this seed before "
+                   "the val/train split, so val is not just the first files (held in memory)")  # fmt: skip
     g = p.add_argument_group("tokenizer (default: the hub's cosmo2)")
     g.add_argument("--tokenizer", help=f"a hub name (default {DEFAULT_TOKENIZER}) or a local tokenizer.json")
-    g.add_argument(
-        "--train-tokenizer",
-        action="store_true",
-        help="train a byte-level BPE of --vocab-size on the local corpus itself (no hub needed)",
-    )
-    g.add_argument(
-        "--vocab-size",
-        type=VOCAB_SIZE,
-        help=f"vocabulary of the BPE that --train-tokenizer or the demo trains (default {DEFAULT_VOCAB})",
-    )
+    g.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the local corpus itself")
+    g.add_argument("--vocab-size", type=VOCAB_SIZE, help=f"vocabulary of the BPE that --train-tokenizer or the demo "
+                   f"trains (default {DEFAULT_VOCAB})")  # fmt: skip
     return p.parse_args(argv)
 
 
 def val_split_tokens(requested: int | None, corpus: CorpusSize) -> int:
     """The val split of a local corpus: `requested`, checked against the corpus, or VAL_SHARE of it (at most 10M)."""
     if requested is None:
-        return max(2, min(DEFAULTS["local"].val_tokens, int(corpus.tokens * VAL_SHARE)))
+        return max(2, min(DEFAULTS["local"]["val_tokens"], int(corpus.tokens * VAL_SHARE)))
     if requested > corpus.tokens // 2:
         raise PPTError(
             f"the corpus is too small for --val-tokens {requested:,}, more than half of it ({corpus.describe()}); "
@@ -156,44 +137,42 @@ def val_split_tokens(requested: int | None, corpus: CorpusSize) -> int:
     return requested
 
 
-def choose_tokenizer(
-    args: argparse.Namespace, kind: str, files: list[Path], documents: Callable[[], Iterator[str]] | None
-) -> tuple[Tokenizer, dict, CorpusSize | None]:
+def choose_tokenizer(args: argparse.Namespace, job: Job) -> tuple[Tokenizer, dict, CorpusSize | None]:
     """The tokenizer of a fresh data directory, how it was made (for meta.json), and for local files the corpus
     size (exact when training read it whole, else estimated from the files)."""
-    if kind == "demo":
-        vocab = args.vocab_size or DEFAULT_VOCAB
+    vocab = args.vocab_size or DEFAULT_VOCAB
+    if job.kind == "demo":
         return train_demo_tokenizer(demo_documents(), vocab), {"kind": "demo", "vocab_size_asked": vocab}, None
     if not args.train_tokenizer:
         name = args.tokenizer or DEFAULT_TOKENIZER
         tokenizer = load_tokenizer(name)
         origin = {"kind": "file" if Path(name).expanduser().exists() else "hub", "from": name}
-        if kind != "local":
+        if job.kind != "local":
             return tokenizer, origin, None
-        estimate = CorpusSize(len(files), estimate_text_bytes(files), False, bytes_per_token(tokenizer, documents()))
-        return tokenizer, origin, estimate
-    vocab = args.vocab_size or DEFAULT_VOCAB
-    counted = {"docs": 0, "bytes": 0}
+        text_bytes, exact = estimate_text_bytes(job.files), False
+    else:
+        counted = {"docs": 0, "bytes": 0}
 
-    def counting() -> Iterator[str]:
-        for text in documents():
-            counted["docs"] += 1
-            counted["bytes"] += len(text.encode("utf-8"))
-            yield text
+        def counting() -> Iterator[str]:
+            for text in job.documents():
+                counted["docs"] += 1
+                counted["bytes"] += len(text.encode("utf-8"))
+                yield text
 
-    print(f"training a byte-level BPE of vocab {vocab} on the corpus ...", flush=True)
-    started = time.perf_counter()
-    tokenizer = train_bpe(counting(), vocab, f"corpus-bpe-{vocab}")
-    fewer = f" (the corpus holds no more merges; {vocab} were asked for)" if tokenizer.vocab_size < vocab else ""
-    print(f"trained {tokenizer.name} in {time.perf_counter() - started:.1f}s: {tokenizer.vocab_size} tokens{fewer}")
-    origin = {
-        "kind": "trained on this corpus",
-        "algorithm": "byte-level BPE (tokenizers BpeTrainer), EOT <|endoftext|> = id 0",
-        "vocab_size_asked": vocab,
-        "trained_on": f"every document of the source, val included ({counted['docs']:,} documents, "
-        f"{counted['bytes']:,} bytes)",
-    }
-    return tokenizer, origin, CorpusSize(len(files), counted["bytes"], True, bytes_per_token(tokenizer, documents()))
+        print(f"training a byte-level BPE of vocab {vocab} on the corpus ...", flush=True)
+        started = time.perf_counter()
+        tokenizer = train_bpe(counting(), vocab, f"corpus-bpe-{vocab}")
+        fewer = f" (the corpus holds no more merges; {vocab} were asked for)" if tokenizer.vocab_size < vocab else ""
+        print(f"trained {tokenizer.name} in {time.perf_counter() - started:.1f}s: {tokenizer.vocab_size} tokens{fewer}")
+        origin = {
+            "kind": "trained on this corpus",
+            "algorithm": "byte-level BPE (tokenizers BpeTrainer), EOT <|endoftext|> = id 0",
+            "vocab_size_asked": vocab,
+            "trained_on": f"every document of the source, val included ({counted['docs']:,} documents, "
+            f"{counted['bytes']:,} bytes)",
+        }
+        text_bytes, exact = counted["bytes"], True
+    return tokenizer, origin, CorpusSize(len(job.files), text_bytes, exact, bytes_per_token(tokenizer, job.documents()))
 
 
 def check_options(args: argparse.Namespace, kind: str) -> None:
@@ -213,8 +192,19 @@ def check_options(args: argparse.Namespace, kind: str) -> None:
         raise PPTError(f"--shuffle-seed shuffles local files; --source {kind} comes in its own fixed order")
 
 
-def check_free_space(out: Path, needed: int) -> None:
-    free = shutil.disk_usage(out).free
+def remaining_tokens(meta: dict, target_shards: int | None, corpus: CorpusSize | None) -> int | None:
+    """Tokens still to write, where known: up to the target shard count, or to the end of a measured corpus."""
+    if target_shards is not None:
+        val = 0 if meta["val"]["shards"] else meta["settings"]["val_tokens"]
+        return val + (target_shards - meta["train"]["shards"]) * meta["settings"]["shard_tokens"]
+    return None if corpus is None else corpus.tokens - meta["val"]["tokens"] - meta["train"]["tokens"]
+
+
+def check_free_space(out: Path, meta: dict, tokens: int | None) -> None:
+    if tokens is None:
+        return
+    needed = tokens * token_dtype(meta["tokenizer"]["vocab_size"]).itemsize
+    free = shutil.disk_usage(next(p for p in (out, *out.parents) if p.exists())).free
     if free < needed:
         free_text, needed_text = format_sizes(free, needed)
         raise PPTError(
@@ -237,30 +227,20 @@ class Progress:
 
     def update(self, tokens: int, shards: int) -> None:
         self.tokens += tokens
+        now = time.perf_counter()
         if self.bar is not None:
             self.bar.update(tokens)
-            return
-        now = time.perf_counter()
-        if now - self.last < PROGRESS_EVERY_S:
-            return
-        self.last = now
-        rate = self.tokens / max(now - self.started, 1e-9)
-        left = "unknown" if self.total is None else _clock(max(self.total - self.tokens, 0) / max(rate, 1e-9))
-        of = "" if self.total is None else f" of about {self.total:,}"
-        print(
-            f"tokenizing: {shards} shards written, {self.tokens:,}{of} tokens, {rate:,.0f} tokens/s, ETA {left}",
-            file=sys.stderr,
-            flush=True,
-        )
+        elif now - self.last >= PROGRESS_EVERY_S:
+            self.last, rate = now, self.tokens / max(now - self.started, 1e-9)
+            of, eta = "", "unknown"
+            if self.total is not None:
+                of, eta = f" of about {self.total:,}", duration(max(self.total - self.tokens, 0) / max(rate, 1e-9))
+            line = f"tokenizing: {shards} shards written, {self.tokens:,}{of} tokens, {rate:,.0f} tokens/s, ETA {eta}"
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds) if math.isfinite(seconds) else 0
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
@@ -270,107 +250,111 @@ def prepare(args: argparse.Namespace) -> None:
     kind = args.source[0] if args.source in (["fineweb"], ["demo"]) else "local"
     check_options(args, kind)
     out = (args.out or default_data_dir(kind)).expanduser()
-    files = resolve_local_files(args.source) if kind == "local" else []
     if out.exists() and not out.is_dir():
         raise PPTError(f"--out {out} is a file; pass a directory (it is created if missing)")
-    created = not out.exists()
-    lock = lock_directory(out, "pass another --out")  # one prepare per directory
-    try:
-        prepare_into(args, kind, out, files)
-    finally:
-        lock.release()
-        if created and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # failed before writing anything: leave nothing behind
-
-
-def prepare_into(args: argparse.Namespace, kind: str, out: Path, files: list[Path]) -> None:
-    defaults = DEFAULTS[kind]
-    source: str | list[str] = [str(f) for f in files] if files else kind
-    documents: Callable[[], Iterator[str]] | None = None  # fineweb: streamed from the hub instead (open_fineweb)
+    files = resolve_local_files(args.source) if kind == "local" else []
     if kind == "local":
         documents = local_document_source(files, args.shuffle_seed)
-    elif kind == "demo":
-        documents = lambda: iter(demo_documents())  # noqa: E731
-    target_shards = args.shards if args.shards is not None else defaults.shards
+    else:
+        documents = open_fineweb if kind == "fineweb" else lambda: iter(demo_documents())
+    job = Job(kind, out, files, documents, args.shards if args.shards is not None else DEFAULTS[kind]["shards"])
+    made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if this prepare leaves them empty
+    previous = read_meta(out) if (out / "meta.json").is_file() else None  # a killed prepare may have left no shard
+    resume = previous is not None and previous["val"]["shards"] + previous["train"]["shards"] > 0
+    fresh = None if resume else plan(args, job)  # settled before any directory is made
+    lock = lock_directory(out, "pass another --out")  # one prepare per directory
+    try:
+        prepare_into(args, job, fresh)
+    finally:
+        lock.release()
+        for directory in made:
+            if directory.is_dir() and not any(directory.iterdir()):
+                directory.rmdir()
 
-    meta = read_meta(out) if (out / "meta.json").is_file() else None
-    fresh = meta is None or not (meta["val"]["shards"] or meta["train"]["shards"])
-    corpus = None
-    if fresh:
-        if meta is None and any(out.glob("*.bin")):
-            raise PPTError(f"{out} holds shards but no meta.json; delete them or pass another --out")
-        tokenizer, origin, corpus = choose_tokenizer(args, kind, files, documents)
-        shard_tokens = args.shard_tokens or defaults.shard_tokens
-        val_tokens = val_split_tokens(args.val_tokens, corpus) if corpus else args.val_tokens or defaults.val_tokens
-        if corpus:
-            print(f"corpus: {corpus.describe()}; val split {val_tokens:,} tokens, the rest train")
-        meta = new_meta(source, tokenizer, shard_tokens, val_tokens, args.shuffle_seed, origin)
-    else:  # resume with the tokenizer that made the finished shards and the settings they were made with
-        tokenizer = load_data_tokenizer(out)
-        if kind == "demo" and tokenizer.vocab_size != (args.vocab_size or DEFAULT_VOCAB):
-            raise PPTError(f"{out} holds a demo tokenizer of vocab {tokenizer.vocab_size}; pass another --out")
-        origin = meta["tokenizer"].get("origin", {})
-        trained = origin.get("kind") == "trained on this corpus"
-        if args.train_tokenizer and (not trained or args.vocab_size not in (None, origin.get("vocab_size_asked"))):
-            raise PPTError(
-                f"{out} was prepared with tokenizer {tokenizer.name}, not one trained here with these settings; "
-                "pass another --out, or delete the directory to start over"
-            )
-        requested = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer
-        settings = meta["settings"]
-        shard_tokens = args.shard_tokens or settings["shard_tokens"]
-        val_tokens = args.val_tokens or settings["val_tokens"]
-        check_resumable(out, meta, new_meta(source, requested, shard_tokens, val_tokens, args.shuffle_seed))
+
+def plan(args: argparse.Namespace, job: Job) -> tuple[Tokenizer, dict, CorpusSize | None]:
+    """A new data directory's tokenizer and meta.json, and for local files the corpus size; checked, disk space too."""
+    if not (job.out / "meta.json").is_file() and any(job.out.glob("*.bin")):
+        raise PPTError(f"{job.out} holds shards but no meta.json; delete them or pass another --out")
+    tokenizer, origin, corpus = choose_tokenizer(args, job)
+    shard_tokens = args.shard_tokens or DEFAULTS[job.kind]["shard_tokens"]
+    val_tokens = args.val_tokens or DEFAULTS[job.kind]["val_tokens"]
+    if corpus:
+        val_tokens = val_split_tokens(args.val_tokens, corpus)
+        print(f"corpus: {corpus.describe()}; val split {val_tokens:,} tokens, the rest train")
+    meta = new_meta(job.source, tokenizer, shard_tokens, val_tokens, args.shuffle_seed, origin)
+    check_free_space(job.out, meta, remaining_tokens(meta, job.target_shards, corpus))
+    return tokenizer, meta, corpus
+
+
+def resumed_tokenizer(args: argparse.Namespace, job: Job, meta: dict) -> Tokenizer:
+    """The tokenizer that made the finished shards, once the flags are checked against what made them."""
+    out = job.out
+    tokenizer = load_data_tokenizer(out)
+    if job.kind == "demo" and tokenizer.vocab_size != (args.vocab_size or DEFAULT_VOCAB):
+        raise PPTError(f"{out} holds a demo tokenizer of vocab {tokenizer.vocab_size}; pass another --out")
+    origin = meta["tokenizer"]["origin"] or {}
+    trained = origin.get("kind") == "trained on this corpus"
+    if args.train_tokenizer and (not trained or args.vocab_size not in (None, origin.get("vocab_size_asked"))):
+        raise PPTError(
+            f"{out} was prepared with tokenizer {tokenizer.name}, not one trained here with these settings; "
+            "pass another --out, or delete the directory to start over"
+        )
+    requested = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer
+    shard_tokens = args.shard_tokens or meta["settings"]["shard_tokens"]
+    val_tokens = args.val_tokens or meta["settings"]["val_tokens"]
+    expected = new_meta(job.source, requested, shard_tokens, val_tokens, args.shuffle_seed)
+    check_resumable(out, meta, expected)
+    return tokenizer
+
+
+def prepare_into(args: argparse.Namespace, job: Job, fresh: tuple[Tokenizer, dict, CorpusSize | None] | None) -> None:
+    out, target_shards = job.out, job.target_shards
+    if fresh is not None:
+        tokenizer, meta, corpus = fresh
+    else:  # resume with the tokenizer and settings that made the finished shards, rebuilding any lost since
+        meta, corpus = read_meta(out), None
+        tokenizer = resumed_tokenizer(args, job, meta)
+        recorded = meta["train"]["shards"]
+        roll_back_to_damaged(out, meta)
+        target_shards = None if target_shards is None else max(target_shards, recorded)  # rebuild all recorded
         if ShardWriter.finished(meta, target_shards):
-            print(f"{out} is already prepared ({meta['train']['shards']} train shards + val); nothing to do")
+            print(f"{out} is already prepared ({recorded} train shards + val); nothing to do")
             return
-        done, skip = meta["train"]["shards"], meta["progress"]["docs_consumed"]
-        print(f"resuming {out}: {done} train shards done, skipping the {skip:,} documents they hold")
+        print(f"resuming {out}: {meta['train']['shards']} train shards done")
+        check_free_space(out, meta, remaining_tokens(meta, target_shards, corpus))
 
     writer = ShardWriter(out, meta, tokenizer, target_shards)
-    remaining = None
-    if target_shards is not None:
-        remaining = (0 if writer.val is None else val_tokens) + (target_shards - meta["train"]["shards"]) * shard_tokens
-    elif corpus is not None:
-        remaining = corpus.tokens - meta["val"]["tokens"] - meta["train"]["tokens"]
-    if remaining is not None:
-        check_free_space(out, remaining * token_dtype(tokenizer.vocab_size).itemsize)
     with worker_pool(tokenizer, args.workers) as pool:  # before the source opens: forking needs no threads yet
-        skip = meta["progress"]["docs_consumed"]
-        stream = open_fineweb(skip) if documents is None else itertools.islice(documents(), skip, None)
-        if fresh:  # after the source opened: an unreachable hub leaves no trace
-            with disk_errors(out / "meta.json", writer.shard_bytes()):
-                tokenizer.save(out)
-                write_meta(out, meta)
+        stream = job.documents()
+        # the documents the finished shards hold are skipped, their digests kept: their copies are dropped too
+        writer.remember(itertools.islice(stream, meta["val"]["docs_consumed"] + meta["train"]["docs_consumed"]))
         remove_leftovers(out, meta)
         meta["progress"]["complete"] = False  # until this run finishes (written with the next shard)
-
         start = time.perf_counter()
-        encoded = encode_in_order(batched(stream, DOCS_PER_TASK), tokenizer, pool, args.workers)
-        progress = Progress(remaining)
+        progress = Progress(remaining_tokens(meta, target_shards, corpus))
         try:
-            for lengths, tokens in encoded:
-                writer.feed(lengths, tokens)
+            for lengths, tokens, digests in encode_in_order(
+                batched(stream, DOCS_PER_TASK), tokenizer, pool, args.workers
+            ):
+                writer.feed(lengths, tokens, digests)
                 progress.update(tokens.size, meta["val"]["shards"] + meta["train"]["shards"])
                 if writer.done:
                     break
             else:
                 writer.finish()
-        except BaseException:
-            if fresh and meta["train"]["shards"] == 0:  # failed before the first shard: leave no half-made dir
-                for name in ("meta.json", "tokenizer.json"):
-                    (out / name).unlink(missing_ok=True)
-            raise
         finally:
             progress.close()
     meta["progress"]["complete"] = True
-    with disk_errors(out / "meta.json", writer.shard_bytes()):
-        write_meta(out, meta)
+    writer.write_meta()
     elapsed = time.perf_counter() - start
+    val, train = meta["val"], meta["train"]
     print(
         f"wrote {writer.tokens_written:,} tokens in {elapsed:.1f}s ({writer.tokens_written / elapsed:,.0f} tokens/s, "
-        f"{args.workers} workers); {out} now has {meta['train']['shards']} train shards "
-        f"({meta['train']['tokens']:,} tokens) and a val shard ({meta['val']['tokens']:,} tokens)"
+        f"{args.workers} workers); {out} now has {train['shards']} train shards ({train['tokens']:,} tokens) and a "
+        f"val shard ({val['tokens']:,} tokens); exact-duplicate documents dropped: {train['duplicates_of_val']:,} "
+        f"copies of val documents in train, {train['duplicates'] - train['duplicates_of_val']:,} repeats within "
+        f"train, {val['duplicates']:,} within val"
     )
     print(f"train on it: python -m scripts.base_train --data-dir {out} --config CONFIG --tag NAME")
 
@@ -381,6 +365,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not sys.stderr.isatty():  # a bar redrawn into a log is one endless line: the hub's and datasets' bars are off
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     on_kill = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops as cleanly as Ctrl-C: the workers go too
     try:
         prepare(args)

@@ -59,7 +59,7 @@ def test_bad_magic_and_truncation_are_named(tmp_path):
     write_shard(path, stream_with_docs(100, 10, 500), vocab_size=500, eot_id=0, fingerprint=FP, demo=False)
     with open(path, "r+b") as f:
         f.truncate(HEADER_BYTES + 150)
-    with pytest.raises(PPTError, match="truncated shard.*re-run prepare"):
+    with pytest.raises(PPTError, match="truncated shard.*re-run the prepare command that made it"):
         read_shard(path)
 
 
@@ -101,18 +101,20 @@ def test_the_header_records_the_largest_token_id_and_the_loader_refuses_ids_beyo
     assert DataLoader(data_dir, "train", 2, 16, vocab_size=4322).vocab_size == 4322
 
 
-def test_shards_without_the_recorded_largest_id_are_checked_by_a_pass(make_token_dir):
-    """Shards written before the header held the largest id (flag bit 1 unset, field 0) still get checked."""
-    tokens = stream_with_docs(400, 10, 1000)
-    tokens[200] = 2000
-    path = make_token_dir({"train": [tokens]}, vocab_size=65536) / "train_00000.bin"
+def test_shards_and_loader_states_of_an_older_format_are_refused_in_one_line(make_token_dir):
+    """A header without the largest token id (flag bit 1 unset), a loader state without batch_size: refused."""
+    path = make_token_dir({"train": [stream_with_docs(400, 10, 1000)]}, vocab_size=1000) / "train_00000.bin"
     raw = bytearray(path.read_bytes())
-    raw[32:36] = (0).to_bytes(4, "little")  # the flags of an old shard
-    raw[164:168] = bytes(4)
+    raw[32:36] = (0).to_bytes(4, "little")
     path.write_bytes(bytes(raw))
-    assert read_shard(path)[0].max_token_id is None
-    with pytest.raises(PPTError, match="holds token id 2000, but the model's vocabulary has 1000 ids"):
-        DataLoader(path.parent, "train", 2, 16, vocab_size=1000)
+    with pytest.raises(PPTError, match=r"train_00000\.bin was written by an older ppt.*prepare the data again"):
+        DataLoader(path.parent, "train", 2, 16)
+    write_shard(path, stream_with_docs(400, 10, 1000), vocab_size=1000, eot_id=0, fingerprint=FP, demo=False)
+    loader = DataLoader(path.parent, "train", 2, 16)
+    state = loader.state_dict()
+    del state["batch_size"]
+    with pytest.raises(PPTError, match="state lacks batch_size .*start the run again without --resume"):
+        loader.load_state_dict(state)
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -239,14 +241,14 @@ def test_resume_is_exact_while_the_prefetcher_runs_ahead(make_token_dir):
 
     loader = make(4)
     assert_same_batches([next(loader) for _ in range(5)], expected[:5])
-    wait_for(lambda: loader._prefetcher._queue.full())  # 4 batches built beyond the 5 returned
+    wait_for(lambda: loader._batches._queue.full())  # 4 batches built beyond the 5 returned
     assert loader.state_dict() == states[5]  # the state counts what was returned, not what was prefetched
     resumed = make(4)
     resumed.load_state_dict(json.loads(json.dumps(loader.state_dict())))
     assert_same_batches([next(resumed) for _ in range(25)], expected[5:])
     assert_same_batches([next(loader) for _ in range(10)], expected[5:15])
     # loading a state into a running loader drops what it prefetched and rewinds
-    wait_for(lambda: loader._prefetcher._queue.full())
+    wait_for(lambda: loader._batches._queue.full())
     loader.load_state_dict(states[2])
     assert_same_batches([next(loader) for _ in range(4)], expected[2:6])
     assert loader.state_dict() == states[6]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ppt import shards
+from ppt.common import PPTError
 from ppt.data import DataLoader
 from ppt.shards import load_data_tokenizer, read_meta, read_shard
 from ppt.sources import demo_documents
@@ -71,7 +72,8 @@ def test_jsonl_prepare_keeps_every_document_once_in_order(tmp_path, tokenizer_pa
     meta = read_meta(out)
     assert meta["val"]["shards"] == 1 and meta["train"]["shards"] >= 3
     assert meta["val"]["docs"] + meta["train"]["docs"] == len(nonempty)
-    assert meta["progress"] == {"docs_consumed": len(docs), "exhausted": True, "complete": True}
+    assert meta["val"]["docs_consumed"] + meta["train"]["docs_consumed"] == len(docs)
+    assert meta["progress"]["exhausted"] and meta["progress"]["complete"]
     assert meta["tokenizer"]["is_demo"] is False and meta["tokenizer"]["name"] == str(tokenizer_path)
 
     tok = load_data_tokenizer(out)
@@ -152,7 +154,8 @@ def test_demo_end_to_end_and_rerun_is_a_no_op(demo_data_dir, capsys):
 
 
 def test_interrupted_prepare_resumes_to_the_same_shards(tmp_path, tokenizer_path, capsys):
-    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
+    docs = make_docs()
+    corpus = write_jsonl(tmp_path / "c.jsonl", [*docs, *docs[::7]])  # copies after the resume point: dropped too
     common = ["--source", str(corpus), *SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert main([*common, "--out", str(whole)]) == 0
@@ -166,6 +169,58 @@ def test_interrupted_prepare_resumes_to_the_same_shards(tmp_path, tokenizer_path
     assert "resuming" in capsys.readouterr().out
     assert shard_bytes(resumed) == shard_bytes(whole)
     assert not list(resumed.glob(".*.tmp"))
+    assert read_meta(whole)["train"]["duplicates"] == len(docs[::7]) - 1  # the empty document is no duplicate
+
+
+def test_exact_duplicate_documents_are_dropped_and_counted_val_copies_first(tmp_path, tokenizer_path, capsys):
+    """A folder of .txt documents beside a .jsonl of the same texts (and repeats within it): each text is kept once,
+    the first time it comes; the copies of val documents in train are counted apart in meta.json and the summary."""
+    docs = [d for d in make_docs(40) if d]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "all.jsonl", [*docs, *docs[10:14]])  # read first (sorted by path): val comes from it
+    for i, doc in enumerate(docs):
+        (folder / f"doc{i:02d}.txt").write_text(doc)
+    out = tmp_path / "out"
+    argv = ["--source", str(folder), "--out", str(out), "--shard-tokens", "400", "--val-tokens", "200"]
+    assert main([*argv, "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 0
+    assert prepared_docs(out) == docs
+    meta = read_meta(out)
+    val_docs = meta["val"]["docs"]
+    assert 0 < val_docs < 10
+    assert (meta["val"]["duplicates"], meta["train"]["duplicates"]) == (0, 4 + len(docs))
+    assert meta["train"]["duplicates_of_val"] == val_docs  # each val document's .txt copy
+    assert (
+        f"exact-duplicate documents dropped: {val_docs} copies of val documents in train, {4 + len(docs) - val_docs} "
+        "repeats within train, 0 within val" in capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "delete val"])
+def test_a_lost_shard_stops_training_and_the_rerun_of_prepare_rebuilds_it(tmp_path, tokenizer_path, capsys, damage):
+    """meta.json records the shards: a missing one stops the loader with the fix, a missing or truncated one is
+    rebuilt by the same prepare command (also asked for fewer --shards than were made), the same bytes as before."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
+    out = tmp_path / "out"
+    argv = ["--source", str(corpus), "--out", str(out), *SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    assert main([*argv, "--shards", "3"]) == 0
+    before = shard_bytes(out)
+    lost = out / ("val_00000.bin" if damage == "delete val" else "train_00001.bin")
+    if damage == "truncate":
+        lost.write_bytes(lost.read_bytes()[:-10])
+        with pytest.raises(PPTError, match=r"train_00001\.bin: truncated shard .*re-run the prepare command"):
+            DataLoader(out, "train", 2, 16)
+    else:
+        lost.unlink()
+        split = lost.name.split("_")[0]
+        message = rf"lacks {lost.name} of the \d {split} shards its meta\.json records; re-run the prepare command"
+        with pytest.raises(PPTError, match=message):
+            DataLoader(out, split, 2, 16)
+    capsys.readouterr()
+    assert main([*argv, "--shards", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{lost} is {'damaged' if damage == 'truncate' else 'missing'}: writing it" in printed
+    assert "nothing to do" not in printed and shard_bytes(out) == before
 
 
 def test_dataset_fingerprint_is_the_content_not_the_paths(tmp_path, tokenizer_path):
@@ -203,17 +258,28 @@ def test_resume_refuses_different_settings(tmp_path, tokenizer_path, capsys):
     "docs, sizes, message",
     [
         (["", "  \n"], SIZES, "no documents"),
-        (["one short document"], SIZES, "too small.*lower --val-tokens"),
+        (["one short document"], [], "holds one document, .* split it into several"),
+        (["one document", "one document"], [], r"holds one document \(1 exact duplicates dropped\)"),
         (make_docs(), ["--val-tokens", "10000000"], "too small"),
     ],
 )
 def test_unusable_corpus_fails_and_leaves_nothing(tmp_path, tokenizer_path, capsys, docs, sizes, message):
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "out"
     argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", docs)), "--out", str(out), *sizes, "--workers", "1"]
     assert main([*argv, "--tokenizer", str(tokenizer_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and re.search(message, err)
-    assert not out.exists() or not any(out.iterdir())
+    assert not (tmp_path / "new").exists()  # no directory it made, parents included
+
+
+def test_a_corpus_too_small_for_the_val_split_suggests_a_val_split_that_works(tmp_path, tokenizer_path, capsys):
+    """Val and train take whole documents: the suggested --val-tokens ends the val shard before the last document."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["a short first document", " ".join(WORDS * 60)])
+    argv = ["--source", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)]
+    assert main([*argv, "--val-tokens", "1000", "--workers", "1"]) == 2
+    suggested = re.search(r"lower --val-tokens, e\.g\. --val-tokens (\d+)\n", capsys.readouterr().err).group(1)
+    assert main([*argv, "--val-tokens", suggested, "--workers", "1"]) == 0
+    assert prepared_docs(tmp_path / "out") == ["a short first document", " ".join(WORDS * 60)]
 
 
 def test_non_utf8_text_names_file_and_offset(tmp_path, tokenizer_path, capsys):
@@ -229,7 +295,10 @@ def test_non_utf8_text_names_file_and_offset(tmp_path, tokenizer_path, capsys):
 def test_bad_sources_are_named(tmp_path, tokenizer_path, capsys):
     (tmp_path / "c.csv").write_text("text\nhello\n")
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    pq.write_table(pa.table({"text": make_docs()}), tmp_path / "whole.parquet")
+    (tmp_path / "cut.parquet").write_bytes((tmp_path / "whole.parquet").read_bytes()[:-100])
     cases = [
+        (["--source", str(tmp_path / "cut.parquet")], "cut.parquet is not a readable parquet file ("),
         (["--source", str(tmp_path / "nothing*.jsonl")], "matches no file"),
         (["--source", str(tmp_path / "c.csv")], "unsupported file type"),
         (["--source", str(tmp_path / "c.jsonl")], "c.jsonl:2 has no string `text` field"),
@@ -237,7 +306,8 @@ def test_bad_sources_are_named(tmp_path, tokenizer_path, capsys):
     ]
     for argv, message in cases:
         assert main([*argv, "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)]) == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and err.startswith("error: ")
 
 
 def test_fineweb_unreachable_says_how_to_work_offline(tmp_path, tokenizer_path, capsys, monkeypatch):
@@ -298,7 +368,7 @@ def test_shuffle_seed_mixes_the_documents_before_the_split_the_same_way_each_tim
     assert shuffled[:val_docs] != plain[:val_docs]
     assert (
         read_meta(tmp_path / "a")["settings"]["shuffle_seed"] == 7
-        and "shuffle_seed" not in read_meta(tmp_path / "plain")["settings"]
+        and read_meta(tmp_path / "plain")["settings"]["shuffle_seed"] is None
     )
 
 
@@ -345,8 +415,24 @@ def test_progress_lines_when_not_on_a_terminal(tmp_path, tokenizer_path, capsys,
     assert main([*argv, *SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing:")]
     assert len(lines) >= 3
-    pattern = r"tokenizing: \d+ shards written, [\d,]+ of about [\d,]+ tokens, [\d,]+ tokens/s, ETA \d+:\d\d:\d\d"
+    pattern = r"tokenizing: \d+ shards written, [\d,]+ of about [\d,]+ tokens, [\d,]+ tokens/s, ETA (\d+[smhd])+"
     assert all(re.fullmatch(pattern, line) for line in lines), lines
+
+
+def test_no_progress_bar_is_drawn_off_a_terminal(tmp_path, tokenizer_path):
+    """Neither prepare's bar nor those of the hub's downloads and of datasets' streaming, whose redraws would pile up
+    in a log as one endless line: stderr here is a pipe."""
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", make_docs())), "--out", str(tmp_path / "out")]
+    argv += [*SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    code = (
+        f"from scripts.prepare_fineweb import main; assert main({argv!r}) == 0; import datasets, huggingface_hub.utils "
+        "as hub; print(hub.are_progress_bars_disabled(), datasets.is_progress_bar_enabled())"
+    )
+    env = {key: value for key, value in os.environ.items() if "PROGRESS_BARS" not in key}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-2:] == ["True", "False"] and "\r" not in run.stderr and "%|" not in run.stderr
 
 
 class FillsUp:

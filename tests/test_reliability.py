@@ -494,6 +494,11 @@ BAD_INPUT = [
     pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", *PREPARE, "--val-tokens", "1e7"], {},
                  r"the corpus is too small for --val-tokens 10,000,000, more than half of it \(1 file, about .* tokens "
                  r".*\); lower --val-tokens, e\.g\. --val-tokens \d+ \(5%\)", id="prepare-val-split-too-big"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", *PREPARE], {},
+                 r"the corpus holds one document, and val and train each take whole documents; split it into several",
+                 id="prepare-one-document"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/corrupt.parquet", *PREPARE], {},
+                 r"corrupt\.parquet is not a readable parquet file \(.*\); ", id="prepare-corrupt-parquet"),
     pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", *PREPARE, "--shards", "0"], {},
                  r"argument --shards: '0' is not an integer >= 1 \(see --help\)", id="prepare-zero-shards"),
     pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", "--train-tokenizer", "--vocab-size", "100"], {},
@@ -514,7 +519,17 @@ BAD_INPUT = [
     pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/bad_magic"], {},
                  r"train_00000\.bin is not a ppt shard \(bad magic number\)", id="train-shard-bad-magic"),
     pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/truncated"], {},
-                 r"train_00000\.bin: truncated shard .*delete it and re-run prepare", id="train-shard-truncated"),
+                 r"train_00000\.bin: truncated shard .*; re-run the prepare command that made it \(same --source and "
+                 r"--out\): it rebuilds missing and damaged shards$", id="train-shard-truncated"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/missing_shard"], {},
+                 r"missing_shard lacks train_00001\.bin of the 2 train shards its meta\.json records; re-run the "
+                 r"prepare command that made it", id="train-shard-missing"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/old_shard"], {},
+                 r"train_00000\.bin was written by an older ppt: its header lacks the largest token id; prepare the "
+                 r"data again into a new --out$", id="train-shard-older-format"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/old_meta"], {},
+                 r"old_meta/meta\.json is of format 1, this ppt reads 2; prepare the data again into a new --out$",
+                 id="train-data-older-format"),
     pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/other_tokenizer"], {},
                  r"train_00000\.bin was tokenized with other-bpe with fingerprint cdcdcd.*but this run expects",
                  id="train-shard-other-tokenizer"),
@@ -626,12 +641,25 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     (work / "table.csv").write_text("text\nhello\n")
     (work / "a_file").write_text("not a directory")
     (work / "story.txt").write_text("Once upon a time there was a tokenizer. " * 20)
-    for name in ("bad_magic", "truncated", "other_tokenizer", "big_ids"):
-        copy = work / name
-        copy.mkdir()
-        for source in [data / "meta.json", data / "tokenizer.json", *data.glob("*_00000.bin")]:
-            (copy / source.name).write_bytes(source.read_bytes())
+    (work / "corrupt.parquet").write_bytes(b"PAR1" + bytes(100))
+
+    def first_shards(name: str, train_shards: int = 1) -> Path:
+        """A data directory of the first shard of each split (and train_shards recorded in its meta.json)."""
+        meta = read_meta(data)
+        meta["train"]["shards"], meta["val"]["shards"] = train_shards, 1
+        write_meta(work / name, meta)
+        for source in [data / "tokenizer.json", *data.glob("*_00000.bin")]:
+            (work / name / source.name).write_bytes(source.read_bytes())
+        return work / name
+
+    for name in ("bad_magic", "truncated", "other_tokenizer", "big_ids", "old_shard", "old_meta"):
+        first_shards(name)
+    (work / "old_meta" / "meta.json").write_text(json.dumps({**read_meta(data), "format": 1}))
+    first_shards("missing_shard", train_shards=2)
     shard = data / "train_00000.bin"
+    old = bytearray(shard.read_bytes())
+    old[32:36] = bytes(4)  # flags: no largest token id in the header
+    (work / "old_shard" / shard.name).write_bytes(bytes(old))
     (work / "bad_magic" / shard.name).write_bytes(b"NOTSHARD" + shard.read_bytes()[8:])
     (work / "truncated" / shard.name).write_bytes(shard.read_bytes()[:-10])
     info, tokens = read_shard(shard)
@@ -650,10 +678,7 @@ def make_bad_inputs(work: Path, data: Path) -> None:
         lock_file.parent.mkdir(parents=True)
         lock_file.write_text(json.dumps(owner))
     (work / "cache" / "checkpoints" / "leftover").mkdir(parents=True)
-    preparing = work / "preparing"  # a data directory a live prepare (this process) is still writing
-    preparing.mkdir()
-    for source in [data / "meta.json", data / "tokenizer.json", *data.glob("*_00000.bin")]:
-        (preparing / source.name).write_bytes(source.read_bytes())
+    preparing = first_shards("preparing")  # a data directory a live prepare (this process) is still writing
     (preparing / locks.LOCK_NAME).write_text(json.dumps({**owner, "argv": ["prepare_fineweb"]}))
     write_manifest(work, "negative_lr", 1.0, args={"lr": -1.0})
     write_manifest(work, "args_list", 1.0, args=["x"])

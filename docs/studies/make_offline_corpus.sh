@@ -12,7 +12,9 @@ fi
 out=$1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-(cd "$work" && apt-get download -q dict-gcide linux-doc-6.12 >/dev/null)
+download() { (cd "$work" && apt-get download -q dict-gcide linux-doc-6.12 >/dev/null); }
+# a machine without package lists (a fresh container) knows no package until `apt-get update`
+download 2>/dev/null || { apt-get update -qq >/dev/null 2>&1 || true; download; }
 for deb in "$work"/*.deb; do dpkg -x "$deb" "$work/root"; done
 python3 - "$work/root" "$out" <<'PY'
 import gzip, json, pathlib, random, re, sys
