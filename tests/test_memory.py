@@ -55,8 +55,9 @@ def test_a_run_that_does_not_fit_is_refused_before_anything_is_allocated(monkeyp
 
 def test_base_train_says_what_the_run_needs_before_it_builds_anything(demo_data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda device: 10**6)
-    argv = ["--config", "tiny", "--data-dir", str(demo_data_dir), "--out-dir", str(tmp_path / "out"), "--seq-len", "32",
-            "--total-batch-tokens", "64", "--device-batch-size", "2", "--compile", "off", "--device", "cpu"]  # fmt: skip
+    argv = ["--config", "tiny", "--data-dir", str(demo_data_dir), "--out-dir", str(tmp_path / "out"),
+            "--seq-len", "32", "--total-batch-tokens", "64", "--device-batch-size", "2", "--compile", "off",
+            "--device", "cpu"]  # fmt: skip
     with pytest.raises(PPTError, match=r"this run needs at least .* but 1\.0 MB is free on cpu"):
         base_train.main(argv)
     assert not (tmp_path / "out").exists()
