@@ -41,11 +41,11 @@ from ppt.common import (
     init_runtime,
     maybe_compile,
     nonneg_int,
-    positive_float,
     positive_int,
     print0,
     run_cli,
     shutdown_runtime,
+    task_limit,
     token_count,
     warn0,
 )
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--protocol", choices=["ppt", "mor"], default="ppt", help="task preset and shots (default ppt)")
     g.add_argument("--tasks", help="lm-eval tasks instead of the preset, comma-separated; NAME:SHOTS sets shots")
     g.add_argument("--num-fewshot", type=nonneg_int, default=0, help="shots for --tasks entries without :SHOTS")
-    g.add_argument("--limit", type=positive_float, help="examples per task (a fraction below 1): for quick checks only")
+    g.add_argument("--limit", type=task_limit, help="examples per task (a fraction below 1): for quick checks only")
     g.add_argument("--include-path", type=Path, action="append", default=[], help="a folder of local task YAMLs")
     g.add_argument("--skip-tasks", action="store_true", help="bits per byte only")
     g.add_argument("--demo-task", action="store_true", help="run only a local task built from the val split")
@@ -164,15 +164,17 @@ def benchmark(
     tokenizer: Tokenizer,
     device: torch.device,
     dtype: torch.dtype,
+    hf_dir: Path | None,
 ) -> dict[str, Any] | None:
     """The tasks' results; None on ranks other than 0."""
     from ppt import evals
 
-    lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size)
+    prefix = evals.context_prefix(tokenizer, hf_dir)  # EOT; an imported folder: its own tokenizer's BOS, or none
+    lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size, prefix=prefix)
     limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
     results = evals.run_benchmarks(lm, tasks.benchmarks, tasks.manager, limit=limit)
     if results is not None:
-        results["protocol"] = tasks.protocol
+        results |= {"protocol": tasks.protocol, "context_prefix": prefix}
         results["shots"] = {b.label: b.num_fewshot for b in tasks.benchmarks}
     return results
 
@@ -231,7 +233,9 @@ def log_to_wandb(record: RunRecord | None, evaluation: dict[str, Any]) -> str | 
     if len(bench.get("rows", {})) > 1:
         scores["eval/avg"] = bench["avg"]
     run = wandb.init(project=recorded.get("project", "ppt"), id=recorded["id"], resume="allow")
-    run.log({**scores, "eval/step": evaluation["step"], "eval/tokens": evaluation["tokens"]})
+    # at the checkpoint's step (an offline run starts again at 0), or where the resumed online run stands
+    step = max(evaluation["step"] or 0, run.step)
+    run.log({**scores, "eval/step": evaluation["step"], "eval/tokens": evaluation["tokens"]}, step=step)
     run.finish()
     return recorded["id"]
 
@@ -288,12 +292,13 @@ def main(argv: list[str] | None = None) -> None:
         batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
         bpb_model = maybe_compile(model, args.compile, rt.device)
         bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
-        bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype)
+        bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype, run.hf_dir)
 
     if rt.is_master:
         print0(table(bpb, bench))
         if bench:
-            print0(f"protocol: {bench['protocol']}" + (f" (limit {bench['limit']} per task)" if bench["limit"] else ""))
+            limit = f", limit {bench['limit']} per task" if bench["limit"] else ""
+            print0(f"protocol: {bench['protocol']} (contexts start with tokens {bench['context_prefix']}{limit})")
         evaluation = {
             "checkpoint": str(run.path),
             "step": run.state.get("step"),
