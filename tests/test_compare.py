@@ -99,7 +99,7 @@ def test_the_plot_and_the_command_line(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bpb.png", "curves.png"]
     # a plot that cannot be written: the table first, whole, then one error for the plot
     (tmp_path / "a_file").write_text("mine")
-    with pytest.raises(PPTError, match=r"could not write the plot .*a_file/bpb\.png \(Not a directory\); pass another"):
+    with pytest.raises(PPTError, match=r"could not write the plot .*a_file/bpb\.png \(File exists\); pass another"):
         main([*map(str, paths), "--plot", str(tmp_path / "a_file" / "bpb.png")])
     assert "| vanilla | 2 |" in capsys.readouterr().out
 
