@@ -15,7 +15,8 @@ against 3 taken from other passages) and runs it through lm-eval offline.
 Bits per byte scores the first `--eval-tokens` val tokens; by default as many as the training run scored at its end
 (its manifest says), so the two figures agree, else base_train's default. The table gives the count beside the bpb.
 `--hf-dir` scores a Hugging Face folder (config.json + safetensors) that ppt/model.py can import, with this same
-code; its results go to the reports dir as run `hf-<folder name>`.
+code, its benchmark contexts starting as its own tokenizer starts a text (a ppt run's start with EOT); its results go
+to the reports dir as run `hf-<folder name>-<hash of its path>`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from ppt.tokenizer import Tokenizer
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model-tag", help="a training run's --tag: its latest complete checkpoint is evaluated")
+    g.add_argument("--model-tag", help="a training run's --tag: the latest checkpoint in its record's out_dir")
     g.add_argument("--checkpoint", type=Path, help="a step_*.pt file (or a folder of them) instead of --model-tag")
     g.add_argument(
         "--hf-dir", type=Path, help="a Hugging Face Llama folder (config.json + safetensors) instead; needs --data-dir"
