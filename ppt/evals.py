@@ -6,7 +6,8 @@ every document is preceded by the EOT that begins it (SPEC.md, "Documents and pa
 seen text that starts after an EOT, so that is how a request starts too. The Hugging Face export
 (`scripts/export_hf.py`) makes its tokenizer add the same EOT as BOS, so lm-eval's `HFLM` on the export scores the
 same tokens. A model imported from a Hugging Face folder was trained with its own convention, so its contexts start
-with what the folder's tokenizer puts before a text (`context_prefix`: SmolLM2's puts nothing), as `HFLM` scores it.
+with what the folder's tokenizer puts before a text (`ppt.model_io.context_prefix`; SmolLM2's puts nothing), as
+`HFLM` scores it.
 
 Requests longer than the model's `max_seq_len` keep their continuation and lose the oldest context tokens (the EOT
 first): training rows also begin mid-document. Rolling loglikelihoods (perplexity tasks) use lm-eval's disjoint
@@ -286,25 +287,6 @@ def demo_examples(documents: list[str], n: int = 200, n_choices: int = 4, seed: 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The adapter
-
-
-def context_prefix(tokenizer: Tokenizer, hf_dir: Path | None = None) -> list[int]:
-    """The tokens every context starts with: EOT for a ppt-trained model; for one imported from a Hugging Face folder,
-    what the folder's own tokenizer puts before a text (its BOS, or nothing), as transformers applies it and so
-    lm-eval's HFLM scores the folder."""
-    if hf_dir is None:
-        return [tokenizer.eot_id]
-    from transformers import AutoTokenizer
-
-    try:
-        own = AutoTokenizer.from_pretrained(hf_dir)
-    except (OSError, ValueError) as exc:
-        raise PPTError(
-            f"{hf_dir} holds no tokenizer transformers can load ({str(exc).splitlines()[0][:200]}); benchmarks "
-            "score an imported model with its own tokenizer's BOS convention: add its tokenizer files to the folder"
-        ) from exc
-    text, ids = own.encode("a", add_special_tokens=False), own.encode("a")
-    return ids[: next((i for i in range(len(ids)) if ids[i : i + len(text)] == text), 0)]
 
 
 class PPTLM(TemplateLM):

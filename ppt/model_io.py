@@ -264,6 +264,25 @@ def encoding_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
+def context_prefix(run: LoadedRun, tokenizer: Tokenizer) -> list[int]:
+    """The tokens every benchmark context starts with: EOT for a ppt-trained run; for a model imported from a Hugging
+    Face folder, what the folder's own tokenizer puts before a text (its BOS, or nothing), as transformers applies it
+    and so lm-eval's HFLM scores the folder."""
+    if not run.hf_dir:
+        return [tokenizer.eot_id]
+    from transformers import AutoTokenizer  # the eval extra, which benchmarks need
+
+    try:
+        own = AutoTokenizer.from_pretrained(run.hf_dir)
+    except (OSError, ValueError) as exc:
+        raise PPTError(
+            f"{run.hf_dir} holds no tokenizer transformers can load ({str(exc).splitlines()[0][:200]}); benchmarks "
+            "score an imported model with its own tokenizer's BOS convention: add its tokenizer files to the folder"
+        ) from exc
+    text, ids = own.encode("a", add_special_tokens=False), own.encode("a")
+    return ids[: next((i for i in range(len(ids)) if ids[i : i + len(text)] == text), 0)]
+
+
 def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists."""
     try:
@@ -318,7 +337,7 @@ def load_hf_folder(hf_dir: str | Path, model_file: ModelFile) -> LoadedRun:
     # a tied weight the file also stores under its other name (transformers loads such files): an equal copy is dropped
     kept = [tensors[theirs] for theirs in names.values() if theirs in tensors]
     unexpected = sorted(
-        name for name in set(tensors) - set(names.values()) if not any(equal(tensors[name], t) for t in kept)
+        name for name in set(tensors) - set(names.values()) if not any(_same(tensors[name], t) for t in kept)
     )
     if missing or unexpected:
         problems = [f"it lacks {few(missing)}"] if missing else []
@@ -345,5 +364,5 @@ def load_hf_folder(hf_dir: str | Path, model_file: ModelFile) -> LoadedRun:
     return LoadedRun(directory, tag, state, hf_dir=directory)
 
 
-def equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

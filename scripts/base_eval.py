@@ -52,7 +52,7 @@ from ppt.common import (
 )
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
-from ppt.model_io import LoadedRun, ModelFile, load_run, load_tokenizer_for
+from ppt.model_io import LoadedRun, ModelFile, context_prefix, load_run, load_tokenizer_for
 from ppt.run import RunRecord
 from ppt.shards import list_shards, read_shard
 from ppt.tokenizer import Tokenizer
@@ -165,12 +165,11 @@ def benchmark(
     tokenizer: Tokenizer,
     device: torch.device,
     dtype: torch.dtype,
-    hf_dir: Path | None,
+    prefix: list[int],
 ) -> dict[str, Any] | None:
     """The tasks' results; None on ranks other than 0."""
     from ppt import evals
 
-    prefix = evals.context_prefix(tokenizer, hf_dir)  # EOT; an imported folder: its own tokenizer's BOS, or none
     lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size, prefix=prefix)
     limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
     results = evals.run_benchmarks(lm, tasks.benchmarks, tasks.manager, limit=limit)
@@ -273,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ppt_demo_task_") as demo_dir:
         # found and checked now: an unknown or generative task stops the run before its bits-per-byte pass
         tasks = None if args.skip_tasks else chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir))
+        # what contexts start with: EOT; an imported folder's, as its own tokenizer starts a text (its BOS, or nothing)
+        prefix = None if tasks is None else context_prefix(run, tokenizer)
         started = time.time()
         val = DataLoader(
             data_dir,
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
         bpb_model = maybe_compile(model, args.compile, rt.device)
         bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
-        bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype, run.hf_dir)
+        bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype, prefix)
 
     if rt.is_master:
         print0(table(bpb, bench))

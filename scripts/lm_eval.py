@@ -32,12 +32,12 @@ from ppt.common import (
     task_limit,
     warn0,
 )
-from ppt.model_io import ModelFile, load_run, load_tokenizer_for
+from ppt.model_io import ModelFile, context_prefix, load_run, load_tokenizer_for
 
 try:  # the eval extra: say how to install it rather than show a traceback
     from lm_eval.api.registry import register_model
 
-    from ppt.evals import PPTLM, context_prefix, hub_errors
+    from ppt.evals import PPTLM, hub_errors
 except (ImportError, PPTError):
     print("error: lm-eval is not installed: uv sync --extra eval", file=sys.stderr)
     sys.exit(2)
@@ -108,7 +108,7 @@ class CheckpointLM(PPTLM):
         model = model_file.build_from_checkpoint(run, target)
         precision = DTYPES[str(dtype)] if dtype else autodetect_dtype(target)
         max_length = int(max_length) if max_length else None
-        prefix = context_prefix(tokenizer, run.hf_dir)  # EOT; an imported folder: its own tokenizer's BOS, or none
+        prefix = context_prefix(run, tokenizer)  # EOT; an imported folder: its own tokenizer's BOS, or none
         super().__init__(model, tokenizer, target, precision, parse_batch_size(batch_size), max_length, prefix)
 
 

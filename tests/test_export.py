@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import ppt.model  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
-from ppt.evals import PPTLM, context_prefix, demo_examples, task_manager, write_choice_task  # noqa: E402
+from ppt.evals import PPTLM, demo_examples, task_manager, write_choice_task  # noqa: E402
 from ppt.model import LlamaConfig, build_model, get_config  # noqa: E402
-from ppt.model_io import ModelFile, encoding_fingerprint, load_run  # noqa: E402
+from ppt.model_io import ModelFile, context_prefix, encoding_fingerprint, load_run  # noqa: E402
 from ppt.tokenizer import train_demo_tokenizer  # noqa: E402
 from scripts.export_hf import export_model, hf_state_dict  # noqa: E402
 
@@ -133,7 +133,7 @@ def test_the_import_reads_the_export_back_to_the_same_model_and_tokenizer(export
     # the export's tokenizer adds EOT as BOS, which ppt does itself: the same tokenizer for ppt's purposes, and the
     # import scores its contexts after that EOT, as ppt scores the run it came from
     assert run.state["tokenizer_fingerprint"] == encoding_fingerprint(tokenizer)
-    assert context_prefix(tokenizer, out) == context_prefix(tokenizer) == [tokenizer.eot_id]
+    assert context_prefix(run, tokenizer) == [tokenizer.eot_id]
 
 
 def test_a_read_only_folder_and_a_full_disk_stop_with_one_line_and_leave_nothing(exported, tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import ppt.model  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
 from ppt.model import LlamaConfig  # noqa: E402
-from ppt.model_io import ModelFile, load_run, load_tokenizer_for  # noqa: E402
+from ppt.model_io import ModelFile, context_prefix, load_run, load_tokenizer_for  # noqa: E402
 from ppt.shards import load_data_tokenizer  # noqa: E402
 
 MODEL_FILE = ModelFile.of(ppt.model)
@@ -188,6 +188,16 @@ def test_an_imported_folder_is_scored_with_its_own_tokenizers_convention_as_hflm
     theirs = HFLM(pretrained=str(directory), device="cpu", dtype="float32", batch_size=2).loglikelihood(requests)
     assert [lp for lp, _ in ours] == pytest.approx([lp for lp, _ in theirs], abs=1e-4)
     assert [g for _, g in ours] == [g for _, g in theirs]
+
+
+def test_a_folder_without_its_tokenizer_has_no_convention_to_score_benchmarks_by(hf_folder, demo_data_dir, tmp_path):
+    bare = edited(hf_folder, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    run = load_run(hf_dir=bare, model_file=MODEL_FILE)
+    tokenizer, _ = load_tokenizer_for(run, demo_data_dir)  # bits per byte: the data's tokenizer
+    with pytest.raises(PPTError, match="holds no tokenizer transformers can load .*add its tokenizer files"):
+        context_prefix(run, tokenizer)
 
 
 def test_a_folder_needs_data_made_by_its_tokenizer(hf_folder, demo_data_dir, tmp_path):
