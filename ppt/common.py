@@ -259,6 +259,7 @@ def run_tag(text: str) -> str:
 MAX_TOKENS = 10**15  # a thousand trillion tokens: far past any run, and an int64 product with any batch
 token_count = Number(int, 1, MAX_TOKENS, scientific=True)
 nonneg_token_count = Number(int, 0, MAX_TOKENS, scientific=True)
+task_limit = Number(float, 0, 1e9, above=True)  # lm-eval's --limit: examples per task, or below 1 a fraction of them
 
 
 def few(names: list[str]) -> str:

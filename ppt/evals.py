@@ -1,10 +1,13 @@
 """Benchmarks through the LM Evaluation Harness: an lm-eval `LM` over the model contract, and the task presets.
 
 The adapter scores token sequences with the model's logits; nothing is converted to Hugging Face. Strings are
-tokenized with ppt's tokenizer and every context is prefixed with EOT, because in training every document is
-preceded by the EOT that begins it (SPEC.md, "Documents and packing"): the model has only ever seen text that
-starts after an EOT, so that is how a request starts too. The Hugging Face export (`scripts/export_hf.py`) makes its
-tokenizer add the same EOT as BOS, so lm-eval's `HFLM` on the export scores the same tokens.
+tokenized with ppt's tokenizer, and every context of a ppt-trained model is prefixed with EOT, because in training
+every document is preceded by the EOT that begins it (SPEC.md, "Documents and packing"): the model has only ever
+seen text that starts after an EOT, so that is how a request starts too. The Hugging Face export
+(`scripts/export_hf.py`) makes its tokenizer add the same EOT as BOS, so lm-eval's `HFLM` on the export scores the
+same tokens. A model imported from a Hugging Face folder was trained with its own convention, so its contexts start
+with what the folder's tokenizer puts before a text (`ppt.model_io.context_prefix`; SmolLM2's puts nothing), as
+`HFLM` scores it.
 
 Requests longer than the model's `max_seq_len` keep their continuation and lose the oldest context tokens (the EOT
 first): training rows also begin mid-document. Rolling loglikelihoods (perplexity tasks) use lm-eval's disjoint
@@ -297,12 +300,14 @@ class PPTLM(TemplateLM):
         dtype: torch.dtype = torch.float32,
         batch_size: int = 16,
         max_length: int | None = None,
+        prefix: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise PPTError(f"batch size must be positive, got {batch_size}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.prefix = [tokenizer.eot_id] if prefix is None else list(prefix)  # what every context starts with
         self._device = torch.device(device) if device else next(model.parameters()).device
         self.dtype = dtype
         self.batch_size = batch_size
@@ -315,15 +320,20 @@ class PPTLM(TemplateLM):
         return self.tokenizer.eot_id
 
     @property
+    def prefix_token_id(self) -> int:
+        """What an empty context and the first rolling window are conditioned on."""
+        return self.prefix[0] if self.prefix else self.eot_token_id
+
+    @property
     def max_length(self) -> int:
         return self._max_length
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        """Token ids, prefixed with EOT unless `add_special_tokens=False` (or, by default, already there)."""
+        """Token ids after the prefix, unless `add_special_tokens=False` (or, by default, it is already there)."""
         ids = self.tokenizer.backend.encode(string, add_special_tokens=False).ids
-        if add_special_tokens is False or (add_special_tokens is None and ids[:1] == [self.eot_token_id]):
+        if add_special_tokens is False or (add_special_tokens is None and ids[: len(self.prefix)] == self.prefix):
             return ids
-        return [self.eot_token_id, *ids]
+        return [*self.prefix, *ids]
 
     def _loglikelihood_tokens(
         self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any

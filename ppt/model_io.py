@@ -34,6 +34,9 @@ from ppt.run import RunRecord
 from ppt.shards import default_data_dir, load_data_tokenizer
 from ppt.tokenizer import Tokenizer, load_tokenizer
 
+# A model may have more rows than its tokenizer has tokens (padded to a multiple of 64 or 128), never fewer
+VOCAB_PADDING = 128
+
 
 @dataclass(frozen=True)
 class ModelFile:
@@ -117,7 +120,11 @@ class LoadedRun:
 
 
 def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | None = None) -> tuple[Path, str]:
-    """(checkpoint file, run tag): an explicit path, else the latest complete checkpoint of the tag."""
+    """(checkpoint file, run tag): an explicit path (the tag: the run record beside it, else its folder's name), else
+    the latest complete checkpoint of the tag, in the output directory its record names, else in
+    <cache>/checkpoints/<tag>."""
+    if model_tag and checkpoint:
+        raise PPTError(f"--model-tag {model_tag} and --checkpoint {checkpoint} both name a model; pass one of them")
     if checkpoint:
         path = Path(checkpoint).expanduser()
         if path.is_dir():
@@ -127,16 +134,36 @@ def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | No
             path = found
         if not path.is_file():
             raise PPTError(f"checkpoint {path} does not exist; pass an existing step_*.pt file or --model-tag TAG")
-        return path, model_tag or path.parent.name
+        records = list(path.parent.glob("*.json"))  # base_train writes <tag>.json beside its checkpoints
+        return path, records[0].stem if len(records) == 1 else path.parent.name
     if not model_tag:
         raise PPTError("say which model to use: --model-tag TAG (a training run's --tag) or --checkpoint PATH")
-    directory = cache_dir() / "checkpoints" / model_tag
+    recorded = recorded_out_dir(model_tag)
+    directory = recorded or cache_dir() / "checkpoints" / model_tag
     path = ckpt.latest_checkpoint(directory)
+    if path is None and recorded:
+        raise PPTError(
+            f"no checkpoint for tag {model_tag!r} in {directory}, where its record "
+            f"{cache_dir() / 'reports' / f'{model_tag}.json'} says they are; pass --checkpoint PATH"
+        )
     if path is None:
         runs = sorted(p.name for p in directory.parent.glob("*") if ckpt.list_checkpoints(p))  # not empty leftovers
         known = f"; runs under {directory.parent}: {', '.join(runs)}" if runs else ""
         raise PPTError(f"no checkpoint for tag {model_tag!r} in {directory}{known}; train it or pass --checkpoint PATH")
     return path, model_tag
+
+
+def recorded_out_dir(tag: str) -> Path | None:
+    """The output directory run `tag`'s record (<cache>/reports/<tag>.json) names; None when it has no training
+    record (none, or only the scores base_eval saved for a checkpoint that had none)."""
+    path = cache_dir() / "reports" / f"{tag}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        data = {"train": None}  # unreadable: RunRecord.load says why
+    return Path(RunRecord.load(path).out_dir) if "train" in data else None
 
 
 def load_run(
@@ -190,10 +217,11 @@ def load_tokenizer_for(run: LoadedRun, data_dir: str | Path | None = None) -> tu
                 f"{directory} holds {tokenizer.name} ({actual[:16]}); pass --data-dir with data prepared by the "
                 "model's tokenizer"
             )
-    if tokenizer.vocab_size > run.config["vocab_size"]:
+    if not 0 <= run.config["vocab_size"] - tokenizer.vocab_size < VOCAB_PADDING:
         raise PPTError(
-            f"{directory}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
-            f"{run.config['vocab_size']}; pass --data-dir with data prepared by the model's tokenizer"
+            f"{directory}'s tokenizer has {tokenizer.vocab_size:,} tokens, the model {run.config['vocab_size']:,} "
+            "(vocab_size): they are not of one vocabulary; use the tokenizer the model was trained with (--data-dir "
+            "with data it prepared)"
         )
     return tokenizer, directory
 
@@ -236,6 +264,25 @@ def encoding_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
+def context_prefix(run: LoadedRun, tokenizer: Tokenizer) -> list[int]:
+    """The tokens every benchmark context starts with: EOT for a ppt-trained run; for a model imported from a Hugging
+    Face folder, what the folder's own tokenizer puts before a text (its BOS, or nothing), as transformers applies it
+    and so lm-eval's HFLM scores the folder."""
+    if not run.hf_dir:
+        return [tokenizer.eot_id]
+    from transformers import AutoTokenizer  # the eval extra, which benchmarks need
+
+    try:
+        own = AutoTokenizer.from_pretrained(run.hf_dir)
+    except (OSError, ValueError) as exc:
+        raise PPTError(
+            f"{run.hf_dir} holds no tokenizer transformers can load ({str(exc).splitlines()[0][:200]}); benchmarks "
+            "score an imported model with its own tokenizer's BOS convention: add its tokenizer files to the folder"
+        ) from exc
+    text, ids = own.encode("a", add_special_tokens=False), own.encode("a")
+    return ids[: next((i for i in range(len(ids)) if ids[i : i + len(text)] == text), 0)]
+
+
 def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists."""
     try:
@@ -267,6 +314,11 @@ def load_hf_folder(hf_dir: str | Path, model_file: ModelFile) -> LoadedRun:
     renamed by the model's `hf_mapping()` and kept in their stored dtype (loading into the model casts them)."""
     directory = Path(hf_dir).expanduser()
     config_path = directory / "config.json"
+    if not directory.is_dir():
+        raise PPTError(
+            f"{directory} {'is not a folder' if directory.exists() else 'does not exist'}; pass a Hugging Face model "
+            "folder (what save_pretrained writes)"
+        )
     if not config_path.is_file():
         raise PPTError(
             f"{directory} holds no config.json; pass a Hugging Face model folder (what save_pretrained writes)"
@@ -282,10 +334,14 @@ def load_hf_folder(hf_dir: str | Path, model_file: ModelFile) -> LoadedRun:
     _, names = hf_mapping(model)
     tensors = read_safetensors(directory)
     missing = [theirs for theirs in names.values() if theirs not in tensors]
-    unexpected = sorted(set(tensors) - set(names.values()))
+    # a tied weight the file also stores under its other name (transformers loads such files): an equal copy is dropped
+    kept = [tensors[theirs] for theirs in names.values() if theirs in tensors]
+    unexpected = sorted(
+        name for name in set(tensors) - set(names.values()) if not any(_same(tensors[name], t) for t in kept)
+    )
     if missing or unexpected:
         problems = [f"it lacks {few(missing)}"] if missing else []
-        problems += [f"{few(unexpected)} fit nowhere in it"] if unexpected else []
+        problems += [f"{few(unexpected)} fit nowhere in it, and equal no weight that does"] if unexpected else []
         raise PPTError(
             f"{directory}'s weights do not fit the {type(model).__name__} its config.json describes: "
             f"{'; '.join(problems)}; the weights and config.json do not belong together"
@@ -303,4 +359,10 @@ def load_hf_folder(hf_dir: str | Path, model_file: ModelFile) -> LoadedRun:
         "config": {"class": type(config).__name__, **dataclasses.asdict(config)},
         "tokenizer_fingerprint": encoding_fingerprint(tokenizer) if tokenizer else None,
     }
-    return LoadedRun(directory, f"hf-{directory.name}", state, hf_dir=directory)
+    # the folder's name, made unique by its path: two folders of one name keep their results apart
+    tag = f"hf-{directory.name}-{hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:8]}"
+    return LoadedRun(directory, tag, state, hf_dir=directory)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

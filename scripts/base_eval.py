@@ -15,7 +15,8 @@ against 3 taken from other passages) and runs it through lm-eval offline.
 Bits per byte scores the first `--eval-tokens` val tokens; by default as many as the training run scored at its end
 (its manifest says), so the two figures agree, else base_train's default. The table gives the count beside the bpb.
 `--hf-dir` scores a Hugging Face folder (config.json + safetensors) that ppt/model.py can import, with this same
-code; its results go to the reports dir as run `hf-<folder name>`.
+code, its benchmark contexts starting as its own tokenizer starts a text (a ppt run's start with EOT); its results go
+to the reports dir as run `hf-<folder name>-<hash of its path>`.
 """
 
 from __future__ import annotations
@@ -41,17 +42,17 @@ from ppt.common import (
     init_runtime,
     maybe_compile,
     nonneg_int,
-    positive_float,
     positive_int,
     print0,
     run_cli,
     shutdown_runtime,
+    task_limit,
     token_count,
     warn0,
 )
 from ppt.data import DataLoader
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, evaluate_bpb
-from ppt.model_io import LoadedRun, ModelFile, load_run, load_tokenizer_for
+from ppt.model_io import LoadedRun, ModelFile, context_prefix, load_run, load_tokenizer_for
 from ppt.run import RunRecord
 from ppt.shards import list_shards, read_shard
 from ppt.tokenizer import Tokenizer
@@ -60,7 +61,7 @@ from ppt.tokenizer import Tokenizer
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model-tag", help="a training run's --tag: its latest complete checkpoint is evaluated")
+    g.add_argument("--model-tag", help="a training run's --tag: the latest checkpoint in its record's out_dir")
     g.add_argument("--checkpoint", type=Path, help="a step_*.pt file (or a folder of them) instead of --model-tag")
     g.add_argument(
         "--hf-dir", type=Path, help="a Hugging Face Llama folder (config.json + safetensors) instead; needs --data-dir"
@@ -87,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--protocol", choices=["ppt", "mor"], default="ppt", help="task preset and shots (default ppt)")
     g.add_argument("--tasks", help="lm-eval tasks instead of the preset, comma-separated; NAME:SHOTS sets shots")
     g.add_argument("--num-fewshot", type=nonneg_int, default=0, help="shots for --tasks entries without :SHOTS")
-    g.add_argument("--limit", type=positive_float, help="examples per task (a fraction below 1): for quick checks only")
+    g.add_argument("--limit", type=task_limit, help="examples per task (a fraction below 1): for quick checks only")
     g.add_argument("--include-path", type=Path, action="append", default=[], help="a folder of local task YAMLs")
     g.add_argument("--skip-tasks", action="store_true", help="bits per byte only")
     g.add_argument("--demo-task", action="store_true", help="run only a local task built from the val split")
@@ -164,15 +165,16 @@ def benchmark(
     tokenizer: Tokenizer,
     device: torch.device,
     dtype: torch.dtype,
+    prefix: list[int],
 ) -> dict[str, Any] | None:
     """The tasks' results; None on ranks other than 0."""
     from ppt import evals
 
-    lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size)
+    lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size, prefix=prefix)
     limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
     results = evals.run_benchmarks(lm, tasks.benchmarks, tasks.manager, limit=limit)
     if results is not None:
-        results["protocol"] = tasks.protocol
+        results |= {"protocol": tasks.protocol, "context_prefix": prefix}
         results["shots"] = {b.label: b.num_fewshot for b in tasks.benchmarks}
     return results
 
@@ -231,7 +233,9 @@ def log_to_wandb(record: RunRecord | None, evaluation: dict[str, Any]) -> str | 
     if len(bench.get("rows", {})) > 1:
         scores["eval/avg"] = bench["avg"]
     run = wandb.init(project=recorded.get("project", "ppt"), id=recorded["id"], resume="allow")
-    run.log({**scores, "eval/step": evaluation["step"], "eval/tokens": evaluation["tokens"]})
+    # at the checkpoint's step (an offline run starts again at 0), or where the resumed online run stands
+    step = max(evaluation["step"] or 0, run.step)
+    run.log({**scores, "eval/step": evaluation["step"], "eval/tokens": evaluation["tokens"]}, step=step)
     run.finish()
     return recorded["id"]
 
@@ -268,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ppt_demo_task_") as demo_dir:
         # found and checked now: an unknown or generative task stops the run before its bits-per-byte pass
         tasks = None if args.skip_tasks else chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir))
+        # what contexts start with: EOT; an imported folder's, as its own tokenizer starts a text (its BOS, or nothing)
+        prefix = None if tasks is None else context_prefix(run, tokenizer)
         started = time.time()
         val = DataLoader(
             data_dir,
@@ -288,12 +294,13 @@ def main(argv: list[str] | None = None) -> None:
         batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
         bpb_model = maybe_compile(model, args.compile, rt.device)
         bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
-        bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype)
+        bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype, prefix)
 
     if rt.is_master:
         print0(table(bpb, bench))
         if bench:
-            print0(f"protocol: {bench['protocol']}" + (f" (limit {bench['limit']} per task)" if bench["limit"] else ""))
+            limit = f", limit {bench['limit']} per task" if bench["limit"] else ""
+            print0(f"protocol: {bench['protocol']} (contexts start with tokens {bench['context_prefix']}{limit})")
         evaluation = {
             "checkpoint": str(run.path),
             "step": run.state.get("step"),

@@ -63,6 +63,7 @@ from ppt.flops import mfu_flops_per_token
 from ppt.formatting import duration
 from ppt.locks import hold_lock, lock_directory, release_locks
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
+from ppt.memory import check_memory
 from ppt.model import CONFIGS, DEFAULT_CONFIG, OP_FORMULAS, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
@@ -139,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--lr", type=Number(float, 0, 1e6, above=True), help="peak learning rate (default per optimizer)"
     )  # bounded: past ~3e38 an fp32 optimizer step overflows; far below that no run learns
-    g.add_argument("--weight-decay", type=nonneg_float, default=0.1)
+    g.add_argument("--weight-decay", type=Number(float, 0, 1e6), default=0.1)
     g.add_argument("--schedule", choices=["constant", "cosine", "wsd"], default="wsd")
     g.add_argument(
         "--warmup-tokens", type=nonneg_token_count, help="LR warmup length in tokens (default 1%% of the budget)"
@@ -295,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         release_locks()  # the output directory's and the run name's
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        torch.use_deterministic_algorithms(deterministic)
+        if torch.are_deterministic_algorithms_enabled() != deterministic:  # the call imports torch._inductor
+            torch.use_deterministic_algorithms(deterministic)
 
 
 class Trainer:
@@ -373,6 +375,7 @@ class Trainer:
         torch.manual_seed(self.model_seed)  # the weights' initialization; the data order has its own seed
         with torch.device("meta"):  # built on meta, then materialized: a 360M model never allocates twice
             self.model = build_model(self.config)
+        check_memory(self.model, self.device_batch, self.seq_len, rt, OP_FORMULAS, eager=not self.use_compile)
         self.model.to_empty(device=rt.device)
         self.model.init_weights()
         self.n_params = sum(p.numel() for p in self.model.parameters())

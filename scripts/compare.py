@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import io
 import json
 import math
 import statistics
@@ -32,7 +33,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ppt.common import ArgumentParser, PPTError, cache_dir, print0, run_cli
+from ppt.common import ArgumentParser, PPTError, atomic_file, cache_dir, print0, run_cli
 from ppt.comparison_flops import ComparisonFlops
 from ppt.formatting import duration, si
 from ppt.frontier import paired_difference, t_quantile
@@ -344,9 +345,14 @@ def plot(settings: list[Setting], path: Path) -> Path:
     fig.suptitle("val bpb: mean over seeds, band from the lowest to the highest seed", fontsize=10)
     axes[1].legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format=path.suffix[1:], dpi=120)
     plt.close(fig)
+    try:
+        with atomic_file(path) as f:
+            f.write(image.getvalue())
+    except OSError as exc:
+        raise PPTError(f"could not write the plot {path} ({exc.strerror or exc}); pass another --plot") from exc
     return path
 
 
@@ -374,19 +380,20 @@ def compare(
     runs: list[str | Path],
     baseline: str | None = None,
     allow_mismatch: bool = False,
-    plot_path: Path | None = None,
     regimes: dict[str, float] | None = None,
 ) -> str:
-    """The comparison table (markdown) of runs given as tags, manifest paths or globs; also the plot, if asked."""
+    """The comparison table (markdown) of runs given as tags, manifest paths or globs."""
+    settings, differing = load_settings(runs, allow_mismatch)
+    return table(settings, pick_baseline(settings, baseline), differing, regimes)
+
+
+def load_settings(runs: list[str | Path], allow_mismatch: bool) -> tuple[list[Setting], list[str]]:
+    """The runs given as tags, manifest paths or globs, grouped into settings, and what differs between them."""
     loaded = [load_finished(path) for path in find_manifests([str(r) for r in runs])]
     if not loaded:
         raise PPTError("no runs to compare; pass run tags, manifest paths or globs")
     differing = check_comparable(loaded, allow_mismatch)
-    settings = group_settings(loaded)
-    text = table(settings, pick_baseline(settings, baseline), differing, regimes)
-    if plot_path is not None:
-        plot(settings, plot_path)
-    return text
+    return group_settings(loaded), differing
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -408,7 +415,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     plot_path = plot_file(args.plot or cache_dir() / "reports" / "compare.png")
-    print0(compare(args.runs, args.baseline, args.allow_mismatch, plot_path))
+    settings, differing = load_settings(args.runs, args.allow_mismatch)
+    print0(table(settings, pick_baseline(settings, args.baseline), differing))
+    plot(settings, plot_path)  # after the table: a plot that cannot be written loses none of its numbers
     print0(f"\nplot: {plot_path}")
 
 

@@ -83,6 +83,7 @@ def export_model(
 ) -> Path:
     """Write the folder atomically: built in a temporary sibling, then renamed into place."""
     try:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
     except ImportError as exc:
         raise PPTError("safetensors is not installed: uv sync --extra eval") from exc
@@ -97,9 +98,9 @@ def export_model(
     weights = hf_state_dict(state, names, dtype)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a file where a parent folder should be
-        raise PPTError(f"cannot create {out_dir.parent} ({exc.strerror or exc}); pass another --out") from exc
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as exc:  # a file where a parent folder should be, a read-only folder
+        raise PPTError(f"cannot write into {out_dir.parent} ({exc.strerror or exc}); pass another --out") from exc
     try:
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
         hf = {
@@ -113,6 +114,11 @@ def export_model(
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
+    except (OSError, SafetensorError) as exc:  # a full disk (safetensors says so in a SafetensorError)
+        raise PPTError(
+            f"could not write the export into {out_dir.parent} ({getattr(exc, 'strerror', None) or exc}); free disk "
+            "space, or pass another --out"
+        ) from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir

@@ -22,8 +22,17 @@ from typing import Any
 import torch
 
 import ppt.model
-from ppt.common import PPTError, autodetect_device, autodetect_dtype, run_cli, warn0
-from ppt.model_io import ModelFile, load_run, load_tokenizer_for
+from ppt.common import (
+    ArgumentParser,
+    PPTError,
+    autodetect_device,
+    autodetect_dtype,
+    nonneg_int,
+    run_cli,
+    task_limit,
+    warn0,
+)
+from ppt.model_io import ModelFile, context_prefix, load_run, load_tokenizer_for
 
 try:  # the eval extra: say how to install it rather than show a traceback
     from lm_eval.api.registry import register_model
@@ -99,12 +108,23 @@ class CheckpointLM(PPTLM):
         model = model_file.build_from_checkpoint(run, target)
         precision = DTYPES[str(dtype)] if dtype else autodetect_dtype(target)
         max_length = int(max_length) if max_length else None
-        super().__init__(model, tokenizer, target, precision, parse_batch_size(batch_size), max_length)
+        prefix = context_prefix(run, tokenizer)  # EOT; an imported folder: its own tokenizer's BOS, or none
+        super().__init__(model, tokenizer, target, precision, parse_batch_size(batch_size), max_length, prefix)
+
+
+def check_numbers(argv: list[str]) -> None:
+    """lm-eval's --limit and --num_fewshot take any float and int (NaN, inf, -1) and fail later, or not at all: a bad
+    value stops here with one error line, as base_eval's flags do."""
+    parser = ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--limit", "-L", type=task_limit)
+    parser.add_argument("--num_fewshot", "-f", type=nonneg_int)
+    parser.parse_known_args(argv)
 
 
 def main() -> None:
     from lm_eval.__main__ import cli_evaluate
 
+    check_numbers(sys.argv[1:])
     with hub_errors("data lm-eval needs", HUB_HINT):
         cli_evaluate()
 

@@ -62,4 +62,4 @@ run -m scripts.base_train --config "$config" --data-dir "$data_dir" --tag "$tag"
     --save-every 50 --log-every 5 ${out_dir:+--out-dir "$out_dir"} ${args[@]+"${args[@]}"}
 
 echo "== 3/3 evaluate =="
-run -m scripts.base_eval --model-tag "$tag" ${out_dir:+--checkpoint "$out_dir"} --data-dir "$data_dir" --demo-task
+run -m scripts.base_eval --model-tag "$tag" --data-dir "$data_dir" --demo-task

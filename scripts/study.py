@@ -530,8 +530,7 @@ def study_main(
         for run in study.plan():
             print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    lock_directory(out, "wait for the study using it, or pass another --out")
+    lock_directory(out, "wait for the study using it, or pass another --out")  # makes `out`, or says why it cannot
     try:
         complete = execute(study, None if deadline_s is None else time.time() + deadline_s)
         decided = {"grid_file": str(grid_path), "grid": asdict(grid), "deterministic": deterministic}

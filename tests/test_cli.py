@@ -4,6 +4,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,10 +90,25 @@ print(json.dumps(texts))
 
 
 @pytest.fixture(scope="module")
-def help_texts() -> dict[str, dict]:
-    out = subprocess.run([sys.executable, "-c", HELP_ALL, *FROZEN], capture_output=True, text=True, cwd=ROOT)
+def help_places(tmp_path_factory) -> dict[str, Path]:
+    """Empty cache, home and temp directories for the --help process: what it writes there shows."""
+    return {name: tmp_path_factory.mktemp(f"help_{name}") for name in ("PPT_CACHE", "HOME", "TMPDIR")}
+
+
+@pytest.fixture(scope="module")
+def help_texts(help_places) -> dict[str, dict]:
+    env = {**os.environ, **{name: str(place) for name, place in help_places.items()}}
+    out = subprocess.run([sys.executable, "-c", HELP_ALL, *FROZEN], capture_output=True, text=True, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_help_in_a_fresh_process_writes_nothing(help_texts, help_places):
+    """tests/test_reliability.py checks each --help in a process that has imported every module already; here they run
+    from a fresh start, so that what an import or a main does on the way to --help shows (torch._inductor, imported
+    on the way, makes its cache directory under the temp dir)."""
+    written = {name: sorted(str(p.relative_to(place)) for p in place.rglob("*")) for name, place in help_places.items()}
+    assert written == {name: [] for name in help_places}
 
 
 @pytest.mark.parametrize("module", FROZEN)

@@ -99,6 +99,11 @@ def test_the_plot_and_the_command_line(tmp_path, capsys):
     with pytest.raises(PPTError, match="matplotlib writes no .v2 files; end the name in .png"):
         main([*map(str, paths), "--plot", str(tmp_path / "out" / "bpb.v2")])
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bpb.png", "curves.png"]
+    # a plot that cannot be written: the table first, whole, then one error for the plot
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(PPTError, match=r"could not write the plot .*a_file/bpb\.png \(File exists\); pass another"):
+        main([*map(str, paths), "--plot", str(tmp_path / "a_file" / "bpb.png")])
+    assert "| vanilla | 2 |" in capsys.readouterr().out
 
 
 def test_run_tags_are_looked_up_in_the_reports_dir(offline_private_cache):

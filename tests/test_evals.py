@@ -333,7 +333,8 @@ def trained_run(demo_data_dir, offline_private_cache):
     path = ckpt.save_checkpoint(directory, 7, payload)
     for target in (offline_private_cache / "reports", directory):
         target.mkdir(parents=True, exist_ok=True)
-        write_manifest(target, "tiny-run", 5.0, **{"data.dir": str(demo_data_dir), "train.seq_len": 32})
+        fields = {"data.dir": str(demo_data_dir), "train.seq_len": 32, "out_dir": str(directory)}
+        write_manifest(target, "tiny-run", 5.0, **fields)
     return path, payload, model.eval(), tokenizer
 
 
@@ -422,6 +423,55 @@ def test_base_eval_rejects_bad_checkpoints_and_tokenizers(trained_run, tmp_path,
     other = ckpt.save_checkpoint(tmp_path / "retok", 1, {**payload, "tokenizer_fingerprint": "cd" * 32})
     with pytest.raises(PPTError, match="was trained with tokenizer cdcdcdcd"):
         base_eval.main(["--checkpoint", str(other), "--skip-tasks", "--data-dir", str(demo_data_dir)])
+
+
+def test_a_run_tag_finds_the_checkpoints_where_its_record_says_they_are(trained_run, offline_private_cache, tmp_path):
+    """A run trained with --out-dir elsewhere: --model-tag reads its record, not <cache>/checkpoints/<tag>."""
+    from scripts import base_eval
+
+    path, *_ = trained_run
+    elsewhere = tmp_path / "mine"
+    path.parent.rename(elsewhere)
+    record = offline_private_cache / "reports" / "tiny-run.json"
+    record.write_text(json.dumps(json.loads(record.read_text()) | {"out_dir": str(elsewhere)}))
+    base_eval.main(["--model-tag", "tiny-run", "--skip-tasks", "--eval-tokens", "64", "--device", "cpu"])
+    for manifest in (record, elsewhere / "tiny-run.json"):
+        assert json.loads(manifest.read_text())["eval"]["checkpoint"] == str(elsewhere / path.name)
+    # a checkpoint of that run named by its path: the record beside it says which run it is
+    checkpoint = str(elsewhere / path.name)
+    base_eval.main(["--checkpoint", checkpoint, "--skip-tasks", "--eval-tokens", "32", "--device", "cpu"])
+    assert json.loads(record.read_text())["eval"]["eval_tokens"] == 32
+    with pytest.raises(PPTError, match="--model-tag tiny-run and --checkpoint .* both name a model; pass one of them"):
+        base_eval.main(["--model-tag", "tiny-run", "--checkpoint", str(elsewhere), "--skip-tasks"])
+    (elsewhere / path.name).unlink()
+    with pytest.raises(PPTError, match=r"no checkpoint for tag 'tiny-run' in .*mine, where its record .* says"):
+        base_eval.main(["--model-tag", "tiny-run", "--skip-tasks"])
+
+
+def test_scores_go_to_the_wandb_run_at_the_checkpoints_step(monkeypatch):
+    """An offline wandb run resumed by base_eval starts again at step 0: the scores are logged at the run's step."""
+    import types
+
+    from scripts import base_eval
+
+    logged = []
+
+    class Run:
+        step = 0  # a resumed offline run; an online one stands after the last step it logged
+
+        def log(self, data, step=None):
+            logged.append((step, data["eval/val_bpb"]))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: Run()))
+    record = types.SimpleNamespace(wandb={"project": "ppt", "id": "abc"})
+    evaluation = {"step": 24, "tokens": 3072, "val": {"nll": 3.0, "bpb": 1.5}}
+    assert base_eval.log_to_wandb(record, evaluation) == "abc" and logged == [(24, 1.5)]
+    Run.step = 30
+    base_eval.log_to_wandb(record, evaluation)
+    assert logged[-1] == (30, 1.5), "never behind the step an online run stands at: wandb would drop it"
 
 
 def test_checkpoint_model_is_registered_with_lm_eval(trained_run, tmp_path):

@@ -3,7 +3,10 @@ lm-eval's own HFLM on the export scores a local task exactly as ppt's adapter do
 import reads the export back to the same model."""
 
 import dataclasses
+import errno
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ import ppt.model  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
 from ppt.evals import PPTLM, demo_examples, task_manager, write_choice_task  # noqa: E402
 from ppt.model import LlamaConfig, build_model, get_config  # noqa: E402
-from ppt.model_io import ModelFile, encoding_fingerprint, load_run  # noqa: E402
+from ppt.model_io import ModelFile, context_prefix, encoding_fingerprint, load_run  # noqa: E402
 from ppt.tokenizer import train_demo_tokenizer  # noqa: E402
 from scripts.export_hf import export_model, hf_state_dict  # noqa: E402
 
@@ -127,8 +130,39 @@ def test_the_import_reads_the_export_back_to_the_same_model_and_tokenizer(export
     assert run.config == {"class": "LlamaConfig", **dataclasses.asdict(model.config)}
     assert run.state["model"].keys() == model.state_dict().keys()
     assert all(torch.equal(run.state["model"][k], v) for k, v in model.state_dict().items())
-    # the export's tokenizer adds EOT as BOS, which ppt does itself: the same tokenizer for ppt's purposes
+    # the export's tokenizer adds EOT as BOS, which ppt does itself: the same tokenizer for ppt's purposes, and the
+    # import scores its contexts after that EOT, as ppt scores the run it came from
     assert run.state["tokenizer_fingerprint"] == encoding_fingerprint(tokenizer)
+    assert context_prefix(run, tokenizer) == [tokenizer.eot_id]
+
+
+def test_a_read_only_folder_and_a_full_disk_stop_with_one_line_and_leave_nothing(exported, tmp_path, monkeypatch):
+    import tempfile
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    model, tokenizer, _ = exported
+    llama = {"class": "LlamaConfig", **dataclasses.asdict(model.config)}
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "mkdtemp", read_only)
+        with pytest.raises(PPTError, match=r"cannot write into .* \(Permission denied\); pass another --out$"):
+            export_model(model.state_dict(), llama, tokenizer, tmp_path / "out")
+    written = []
+
+    def full_disk(tensors, path, metadata=None):  # what safetensors raises when the disk fills
+        written.append(path)
+        Path(path).write_bytes(b"part of a file")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(PPTError, match=r"could not write the export into .*No space left on device.*; free disk space"):
+        export_model(model.state_dict(), llama, tokenizer, tmp_path / "out")
+    assert written and not list(tmp_path.iterdir()), "no folder, no staging folder left"
 
 
 def test_export_refuses_other_architectures_unknown_weights_and_existing_folders(exported, tmp_path):
@@ -156,7 +190,7 @@ def test_export_refuses_a_file_and_force_replaces_only_an_earlier_export(exporte
     a_file.write_text("mine")
     with pytest.raises(PPTError, match="notes.txt is a file, not a folder"):
         export(a_file)
-    with pytest.raises(PPTError, match="cannot create .*notes.txt"):
+    with pytest.raises(PPTError, match="cannot write into .*notes.txt"):
         export(a_file / "sub")
     corpus = tmp_path / "corpus"
     corpus.mkdir()

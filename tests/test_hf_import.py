@@ -18,10 +18,13 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import ppt.model  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
 from ppt.model import LlamaConfig  # noqa: E402
-from ppt.model_io import ModelFile, load_run, load_tokenizer_for  # noqa: E402
+from ppt.model_io import ModelFile, context_prefix, load_run, load_tokenizer_for  # noqa: E402
 from ppt.shards import load_data_tokenizer  # noqa: E402
 
 MODEL_FILE = ModelFile.of(ppt.model)
+# a tokenizer_config.json of SmolLM2's kind: a GPT-2 tokenizer whose BOS and EOS are <|endoftext|>, adding neither
+GPT2_KIND = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
+SMOLLM2_TOKENIZER_CONFIG = GPT2_KIND | {key: "<|endoftext|>" for key in ("bos_token", "eos_token", "unk_token")}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,8 @@ def hf_folder(demo_data_dir, tmp_path_factory):
         torch.nn.init.normal_(param, std=0.3 if param.ndim == 1 else 0.05)
     directory = tmp_path_factory.mktemp("hf") / "tiny-llama"
     model.save_pretrained(directory)
-    tokenizer.save(directory)
+    tokenizer.save(directory)  # SmolLM2's kind of tokenizer: it puts no BOS before a text
+    (directory / "tokenizer_config.json").write_text(json.dumps(SMOLLM2_TOKENIZER_CONFIG))
     return directory, model
 
 
@@ -77,7 +81,15 @@ def test_a_transformers_llama_loads_with_its_config_and_logits(hf_folder):
         torch.testing.assert_close(model(idx), reference(idx).logits, atol=1e-5, rtol=1e-5)
     tokenizer, source = load_tokenizer_for(run)  # no data dir: the folder's own tokenizer
     assert source == directory and tokenizer.vocab_size == expected.vocab_size
-    assert run.tag == "hf-tiny-llama" and len(run.manifest_paths) == 1, "results go to the reports dir only"
+    assert re.fullmatch("hf-tiny-llama-[0-9a-f]{8}", run.tag) and len(run.manifest_paths) == 1, "reports dir only"
+
+
+def test_two_folders_of_one_name_keep_their_results_apart(hf_folder, tmp_path):
+    directory, _ = hf_folder
+    other = tmp_path / directory.name
+    shutil.copytree(directory, other)
+    paths = {load_run(hf_dir=d, model_file=MODEL_FILE).manifest_paths[0] for d in (directory, other)}
+    assert len(paths) == 2
 
 
 @pytest.mark.parametrize(
@@ -106,8 +118,12 @@ def test_missing_unexpected_and_unreadable_weights_are_refused(hf_folder, tmp_pa
     missing = {k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(PPTError, match="it lacks model.layers.1.mlp.up_proj.weight"):
         load_run(hf_dir=edited(hf_folder, tmp_path / "missing", weights=missing), model_file=MODEL_FILE)
-    untied = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}
-    with pytest.raises(PPTError, match="lm_head.weight fit nowhere"):
+    # a tied head the file also stores, as transformers loads it: accepted when it equals the embedding
+    tied_copy = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}
+    run = load_run(hf_dir=edited(hf_folder, tmp_path / "tied", weights=tied_copy), model_file=MODEL_FILE)
+    assert torch.equal(run.state["model"]["embed.weight"], weights["model.embed_tokens.weight"])
+    untied = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"] + 1}
+    with pytest.raises(PPTError, match="lm_head.weight fit nowhere in it, and equal no weight that does"):
         load_run(hf_dir=edited(hf_folder, tmp_path / "untied", weights=untied), model_file=MODEL_FILE)
     no_weights = edited(hf_folder, tmp_path / "bin")
     (no_weights / "model.safetensors").rename(no_weights / "pytorch_model.bin")
@@ -119,6 +135,8 @@ def test_missing_unexpected_and_unreadable_weights_are_refused(hf_folder, tmp_pa
         load_run(hf_dir=truncated, model_file=MODEL_FILE)
     with pytest.raises(PPTError, match="holds no config.json"):
         load_run(hf_dir=tmp_path, model_file=MODEL_FILE)
+    with pytest.raises(PPTError, match="absent does not exist; pass a Hugging Face model folder"):
+        load_run(hf_dir=tmp_path / "absent", model_file=MODEL_FILE)
     with pytest.raises(PPTError, match="names the model on its own"):
         load_run(model_tag="tiny", hf_dir=directory, model_file=MODEL_FILE)
 
@@ -151,7 +169,35 @@ def test_base_eval_and_the_lm_eval_adapter_score_an_imported_folder(hf_folder, d
 
     requests = [Instance("loglikelihood", {}, ("The module", " is imported once"), 0)]
     adapter = CheckpointLM(hf_dir=str(directory), dtype="fp32", device="cpu")  # `--model ppt --model_args hf_dir=`
-    assert adapter.loglikelihood(requests) == PPTLM(model, tokenizer).loglikelihood(requests)
+    assert adapter.loglikelihood(requests) == PPTLM(model, tokenizer, prefix=[]).loglikelihood(requests)
+
+
+def test_an_imported_folder_is_scored_with_its_own_tokenizers_convention_as_hflm_scores_it(hf_folder):
+    """The folder's tokenizer (SmolLM2's kind) puts no BOS before a text: the adapter adds no EOT, and gives lm-eval's
+    own HFLM's loglikelihoods on the folder; an empty context is conditioned on the BOS, as HFLM's is."""
+    pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from scripts.lm_eval import CheckpointLM
+
+    directory, _ = hf_folder
+    pairs = [("The module", " is imported once"), ("", "Once upon a time"), ("A generator yields; " * 9, " values")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    ours = CheckpointLM(hf_dir=str(directory), dtype="fp32", device="cpu").loglikelihood(requests)
+    theirs = HFLM(pretrained=str(directory), device="cpu", dtype="float32", batch_size=2).loglikelihood(requests)
+    assert [lp for lp, _ in ours] == pytest.approx([lp for lp, _ in theirs], abs=1e-4)
+    assert [g for _, g in ours] == [g for _, g in theirs]
+
+
+def test_a_folder_without_its_tokenizer_has_no_convention_to_score_benchmarks_by(hf_folder, demo_data_dir, tmp_path):
+    bare = edited(hf_folder, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    run = load_run(hf_dir=bare, model_file=MODEL_FILE)
+    tokenizer, _ = load_tokenizer_for(run, demo_data_dir)  # bits per byte: the data's tokenizer
+    with pytest.raises(PPTError, match="holds no tokenizer transformers can load .*add its tokenizer files"):
+        context_prefix(run, tokenizer)
 
 
 def test_a_folder_needs_data_made_by_its_tokenizer(hf_folder, demo_data_dir, tmp_path):
@@ -166,6 +212,9 @@ def test_a_folder_needs_data_made_by_its_tokenizer(hf_folder, demo_data_dir, tmp
     train_demo_tokenizer(["another corpus, another tokenizer"] * 20, vocab_size=300).save(other)
     with pytest.raises(PPTError, match="comes with tokenizer .*data prepared by the model's tokenizer"):
         load_tokenizer_for(load_run(hf_dir=other, model_file=MODEL_FILE), demo_data_dir)
+    # that tokenizer on its own: another vocabulary than the model's, refused rather than scored
+    with pytest.raises(PPTError, match=r"other's tokenizer has \d+ tokens, the model 512 \(vocab_size\): they are not"):
+        load_tokenizer_for(load_run(hf_dir=other, model_file=MODEL_FILE))
 
 
 def test_check_hf_import_compares_logits_and_scores_the_help_topics(hf_folder, run_tool):

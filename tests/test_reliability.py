@@ -34,7 +34,7 @@ from ppt import checkpoint as ckpt
 from ppt import locks
 from ppt.common import PPTError
 from ppt.model import build_model, get_config
-from ppt.shards import read_meta, read_shard, write_meta, write_shard
+from ppt.shards import load_data_tokenizer, read_meta, read_shard, write_meta, write_shard
 from scripts import base_train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -631,6 +631,45 @@ BAD_INPUT = [
                  r"--seq-len 512 exceeds the model's max_seq_len 256", id="eval-seq-len-too-long"),
     pytest.param("base_eval", ["--model-tag", "x", "--skip-tasks", "--demo-task"], {},
                  r"--skip-tasks runs bits per byte only; drop it", id="eval-contradictory-flags"),
+    pytest.param("base_eval", ["--model-tag", "x", "--checkpoint", "{work}/tiny/step_00000001.pt", "--skip-tasks"], {},
+                 r"--model-tag x and --checkpoint .*step_00000001\.pt both name a model; pass one of them$",
+                 id="eval-tag-and-checkpoint"),
+    pytest.param("base_eval", ["--model-tag", "x", "--limit", "1e19"], {},
+                 r"argument --limit: '1e19' is not a finite number > 0 and <= 1e9", id="eval-absurd-limit"),
+    pytest.param("base_eval", ["--hf-dir", "{work}/absent_hf", "--data-dir", "{data}", "--skip-tasks"], {},
+                 r"absent_hf does not exist; pass a Hugging Face model folder", id="eval-missing-hf-dir"),
+    pytest.param("base_eval", ["--hf-dir", "{work}/hf_wide", "--data-dir", "{data}", "--skip-tasks", "--device", "cpu"],
+                 {}, r"'s tokenizer has 512 tokens, the model 1,024 \(vocab_size\): they are not of one vocabulary",
+                 id="eval-hf-tokenizer-of-another-vocabulary"),
+    # scripts.lm_eval: lm-eval's own command line, whose --limit and --num_fewshot ppt checks before handing over
+    pytest.param("lm_eval", ["--model", "ppt", "--tasks", "x", "--limit", "nan"], {},
+                 r"argument --limit/-L: 'nan' is not a finite number > 0 and <= 1e9", id="lm-eval-nan-limit"),
+    pytest.param("lm_eval", ["--model", "ppt", "--tasks", "x", "--limit", "-1"], {},
+                 r"argument --limit/-L: '-1' is not a finite number > 0", id="lm-eval-negative-limit"),
+    pytest.param("lm_eval", ["--model", "ppt", "--tasks", "x", "--limit", "inf"], {},
+                 r"argument --limit/-L: 'inf' is not a finite number", id="lm-eval-infinite-limit"),
+    pytest.param("lm_eval", ["--model", "ppt", "--tasks", "x", "--limit", "1e30"], {},
+                 r"argument --limit/-L: '1e30' is not a finite number > 0 and <= 1e9", id="lm-eval-absurd-limit"),
+    pytest.param("lm_eval", ["--model", "ppt", "--tasks", "x", "--num_fewshot", "-1"], {},
+                 r"argument --num_fewshot/-f: '-1' is not an integer >= 0", id="lm-eval-negative-shots"),
+    # scripts.export_hf
+    pytest.param("export_hf", ["--checkpoint", "{work}/tiny/step_00000001.pt", "--data-dir", "{data}",
+                               "--out", "/sys/ppt-export"], {},
+                 r"cannot write into /sys \(.*\); pass another --out$", id="export-read-only-out"),
+    # scripts.compare and scripts.study
+    pytest.param("compare", ["{work}/negative_lr.json", "--plot", "{work}/a_file/bpb.png"], {},
+                 r"could not write the plot .*a_file/bpb\.png \(File exists\); pass another --plot$",
+                 id="compare-unwritable-plot"),
+    pytest.param("study", ["{work}/grid.toml", "--out", "{work}/a_file/study"], {},
+                 r"cannot write into .*a_file/study \(Not a directory\); .*pass another --out$",
+                 id="study-unwritable-out"),
+    # base_train: said before anything is allocated
+    pytest.param("base_train", [*TRAIN, "--weight-decay", "1e30"], {},
+                 r"argument --weight-decay: '1e30' is not a finite number >= 0 and <= 1e6",
+                 id="train-absurd-weight-decay"),
+    pytest.param("base_train", [*TRAIN[2:], "--depth", "200"], {},
+                 r"this run needs at least .* TB of memory \(.* for the fp32 weights, gradients and AdamW moments of "
+                 r".* parameters\), but .* is free on cpu; choose a smaller config$", id="train-too-big-for-memory"),
 ]  # fmt: skip
 
 
@@ -694,6 +733,19 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     payload = {"model": model.state_dict(), "config": {"class": type(config).__name__, **dataclasses.asdict(config)}}
     ckpt.save_checkpoint(work / "tiny", 1, {**payload, "tokenizer_fingerprint": meta["fingerprint"]})
     ckpt.save_checkpoint(work / "cache" / "checkpoints" / "some-run", 1, payload)
+    # a Hugging Face folder whose model has 1,024 token rows but whose tokenizer (the data's) has 512
+    from safetensors.torch import load_file, save_file
+
+    from scripts.export_hf import export_model
+
+    wide = export_model(payload["model"], payload["config"], load_data_tokenizer(data), work / "hf_wide")
+    weights = load_file(wide / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    weights["model.embed_tokens.weight"] = torch.cat([embed, torch.zeros_like(embed)])
+    save_file(weights, str(wide / "model.safetensors"), metadata={"format": "pt"})
+    (wide / "config.json").write_text(json.dumps(json.loads((wide / "config.json").read_text()) | {"vocab_size": 1024}))
+    arch = '\nsizes = ["d1", "d2", "d3"]\nlrs = [3e-3]\n'
+    (work / "grid.toml").write_text(f'data_dir = "{data}"\nbudgets = [1e9]\n[arch.a]{arch}[arch.b]{arch}')
     batch128 = [*TRAIN, "--total-batch-tokens", "128", "--target-tokens", "512", "--eval-tokens", "64", "--tag", "b128"]
     with pytest.MonkeyPatch.context() as mp:  # a real checkpoint, its record in a cache of its own
         mp.setenv("PPT_CACHE", str(work / "batch128_cache"))

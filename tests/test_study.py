@@ -130,6 +130,13 @@ def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_data_dir, tmp_pat
     assert not out.exists()
 
 
+def test_a_bad_out_is_refused_with_one_message_before_any_run(demo_data_dir, tmp_path):
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(PPTError, match=r"cannot write into .*a_file/study \(Not a directory\); .*pass another --out"):
+        study.main([str(write_grid(tmp_path, demo_data_dir)), "--out", str(tmp_path / "a_file" / "study")])
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
