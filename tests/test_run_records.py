@@ -171,7 +171,7 @@ class FakeWandb(types.ModuleType):
         self.inits.append(kwargs)
         run_id = kwargs.get("id") or f"run{len(self.inits)}"
         log = lambda data, step=None: self.logged.append((run_id, data))  # noqa: E731
-        return types.SimpleNamespace(id=run_id, log=log, finish=lambda: None)
+        return types.SimpleNamespace(id=run_id, log=log, finish=lambda: None, step=0)
 
 
 def test_wandb_continues_one_run_across_a_resume_and_an_evaluation(demo_data_dir, tmp_path, monkeypatch):
