@@ -6,11 +6,17 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
+from test_comparison_flops import brute_force, matmul_params, random_doc_pos, run_argv, step_rows
 
+import ppt.model
+from ppt import checkpoint as ckpt
 from ppt.common import PPTError
-from ppt.model import CONFIGS, LlamaConfig, build_model, get_config
+from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
+from ppt.flops import Cost, cost
+from ppt.model import CONFIGS, OP_FORMULAS, LlamaConfig, build_model, get_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -232,6 +238,71 @@ def test_multiscreen_sizes(psi):
         model = build_model(config)
     per_layer = psi * (2 * 16 * d + 3 * 64 * d) + 3 * psi
     assert sum(p.numel() for p in model.parameters()) == 49152 * d + psi * per_layer + 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Multiscreen's FLOPs as the fixed trace and comparison rule count them (tests/test_comparison_flops.py's brute force)
+
+
+def test_multiscreen_counts_the_same_flops_through_the_gated_output_op_as_through_its_reference(monkeypatch):
+    """On meta the trace runs gated_output's reference; one that met the op instead (its cost formula, then the torch
+    ops of its backward) would count the same N, MFU, matmul FLOPs of both passes and comparison rule."""
+    model = fresh("multiscreen-tiny")
+
+    def counted() -> tuple[Cost, tuple]:
+        step = cost(model, batch_size=2, seq_len=32, formulas=OP_FORMULAS)
+        matmuls = {row: step.flops[row] for row in (("primal", "matmul"), ("adjoint", "matmul"))}
+        rule = comparison_flops_rule(model, 32, OP_FORMULAS).state_dict()
+        return step, (step.params_matmul, step.flops_per_token, step.attention_flops, matmuls, rule)
+
+    reference, expected = counted()
+    monkeypatch.setattr(ppt.model, "gated_output", lambda h, g, w: torch.ops.ppt.gated_output(h, g, w.to(h.dtype)))
+    through_op, got = counted()
+    assert got == expected
+    booked = lambda step: {op for (_, _, _, op, _) in step.ops}
+    assert "gated_output" in booked(through_op) and "gated_output" not in booked(reference)
+
+
+def test_multiscreen_counts_in_window_in_document_pairs_at_the_windows_current_values():
+    model = fresh("multiscreen-tiny")
+    cfg = model.config
+    doc_pos = random_doc_pos(2, 48, seed=2)
+    counts = np.bincount(doc_pos.ravel(), minlength=48)
+    windows = lambda: [w for block in model.blocks for w in block.window().tolist()]  # noqa: E731
+    heads = lambda: [(2 * (cfg.d_key + cfg.d_value), w) for w in windows()]  # noqa: E731
+    assert len(set(windows())) > 1 and min(windows()) < 48 < max(windows())  # windows inside and beyond the row
+    rule = comparison_flops_rule(model, 48, OP_FORMULAS)
+    assert rule.params_matmul == matmul_params(model)
+    assert rule.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
+
+    with torch.no_grad():  # training moves the windows: a new trace counts them where they are now
+        for block in model.blocks:
+            block.s_w.add_(torch.linspace(-0.5, 1.5, cfg.n_head))
+    moved = comparison_flops_rule(model, 48, OP_FORMULAS)
+    assert moved.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
+    assert moved.step_flops(counts) != rule.step_flops(counts)
+    assert ComparisonFlops.from_state_dict(json.loads(json.dumps(moved.state_dict()))) == moved  # checkpoints
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_interrupted_multiscreen_run_counts_exactly_what_the_whole_run_counts(short_docs, tmp_path, monkeypatch):
+    """The windows are learned, so the rule is traced again on a fixed schedule (every 2 steps here): a run stopped
+    between two traces resumes with the rule its checkpoint holds."""
+    from scripts import base_train
+
+    monkeypatch.setattr(base_train, "RULE_RETRACE_STEPS", 2)
+    fast = ("--lr", "0.05")  # windows move within these few steps
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    base_train.main(run_argv(short_docs, whole, "multiscreen-tiny", *fast))
+    base_train.main(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--max-steps", "3"))
+    base_train.main(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--resume", "auto"))
+    assert step_rows(parts) == step_rows(whole)
+    increments = np.diff([0] + [flops for _, flops, _ in step_rows(whole)])
+    first = json.loads((whole / "whole.json").read_text())["comparison_flops_rule"]
+    assert first["traced_at_step"] == 0 and first["mixers"][0]["op"] == "screening"
+    final = ckpt.load_checkpoint(ckpt.latest_checkpoint(whole))["comparison"]
+    assert final["rule_step"] == 4 and final["rule"] != {k: first[k] for k in ("seq_len", "params_matmul", "mixers")}
+    assert len(set(increments.tolist())) > 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
