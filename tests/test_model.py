@@ -2,6 +2,7 @@
 configs, Multiscreen against the paper's equations. The contract every architecture meets (causality, document
 isolation, roles, init, reductions, ...) is tests/test_contract.py's."""
 
+import dataclasses
 import json
 import math
 import os
@@ -49,43 +50,71 @@ def test_initial_loss_is_near_uniform():
     assert abs(model(idx, targets).item() - math.log(4096)) < 0.1
 
 
-def test_logits_match_hugging_face_llama():
+@pytest.fixture(scope="module")
+def hf_llama(demo_data_dir, tmp_path_factory):
+    """A random LlamaForCausalLM (GQA, rope theta 500, 48 positions, eps 1e-6, random norm gains) over the demo data's
+    vocabulary, saved by transformers with that tokenizer; read-only."""
     transformers = pytest.importorskip("transformers")
-    config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=192, vocab_size=256, max_seq_len=64)
+    from ppt.shards import load_data_tokenizer
+
+    tokenizer = load_data_tokenizer(demo_data_dir)
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48, rope_theta=500.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )  # fmt: skip
     torch.manual_seed(0)
-    model = build_model(config)
-    model.init_weights()
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.d_model,
-        intermediate_size=config.d_ff,
-        num_hidden_layers=config.n_layer,
-        num_attention_heads=config.n_head,
-        num_key_value_heads=config.n_kv_head,
-        max_position_embeddings=config.max_seq_len,
-        rope_theta=config.rope_theta,
-        rms_norm_eps=config.rms_eps,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    hf = transformers.LlamaForCausalLM(hf_config).float().eval()
-    ours = model.state_dict()
-    renamed = {"model.embed_tokens.weight": ours["embed.weight"], "model.norm.weight": ours["norm.weight"]}
-    for i in range(config.n_layer):
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            renamed[f"model.layers.{i}.self_attn.{proj}.weight"] = ours[f"blocks.{i}.attn.{proj}.weight"]
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            renamed[f"model.layers.{i}.mlp.{proj}.weight"] = ours[f"blocks.{i}.mlp.{proj}.weight"]
-        renamed[f"model.layers.{i}.input_layernorm.weight"] = ours[f"blocks.{i}.attn_norm.weight"]
-        renamed[f"model.layers.{i}.post_attention_layernorm.weight"] = ours[f"blocks.{i}.mlp_norm.weight"]
-    missing, unexpected = hf.load_state_dict(renamed, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr(), "HF head is not tied"
-    idx = torch.randint(0, config.vocab_size, (2, 48))
+    model = transformers.LlamaForCausalLM(config).eval()
+    for param in model.parameters():  # transformers inits norm gains at 1: random gains test their mapping too
+        torch.nn.init.normal_(param, std=0.3 if param.ndim == 1 else 0.05)
+    directory = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    model.save_pretrained(directory)
+    tokenizer.save(directory)
+    return directory, model
+
+
+def test_a_transformers_llama_imports_with_its_config_and_logits_and_exports_back(hf_llama, tmp_path):
+    """The Llama's hf_mapping() and config_from_hf against transformers itself, both ways."""
+    from transformers import AutoModelForCausalLM
+
+    from ppt.model_io import ModelFile, load_run, load_tokenizer_for
+    from scripts.export_hf import export_model
+
+    directory, reference = hf_llama
+    model_file = ModelFile.of(ppt.model)
+    run = load_run(hf_dir=directory, model_file=model_file)
+    vocab_size = reference.config.vocab_size
+    expected = LlamaConfig(2, 4, 2, 64, 96, vocab_size=vocab_size, max_seq_len=48, rope_theta=500.0, rms_eps=1e-6)
+    assert run.config == {"class": "LlamaConfig", **dataclasses.asdict(expected)}
+    idx = torch.randint(0, vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        diff = (model(idx) - hf(idx).logits).abs().max().item()
-    assert diff <= 1e-4
+        torch.testing.assert_close(
+            model_file.build_from_checkpoint(run)(idx), reference(idx).logits, atol=1e-5, rtol=1e-5
+        )
+        exported = export_model(run.state["model"], run.config, load_tokenizer_for(run)[0], tmp_path / "export")
+        again = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+        assert type(again).__name__ == "LlamaForCausalLM" and again.config.tie_word_embeddings
+        torch.testing.assert_close(again(idx).logits, reference(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "edits, message",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2'.*only Hugging Face Llama"),
+        ({"attention_bias": True}, "attention biases"),
+        ({"mlp_bias": True}, "MLP biases"),
+        ({"hidden_act": "gelu"}, "activation 'gelu'"),
+        ({"tie_word_embeddings": None}, "untied output head"),  # transformers' default is untied
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}}, "rope scaling 'llama3'"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
+        ({"head_dim": 32}, "head_dim 32 .*= 16"),
+        ({"hidden_size": None}, "lacks 'hidden_size'"),
+    ],
+)
+def test_configs_the_llama_cannot_compute_are_refused_by_config_from_hf(hf_llama, edits, message):
+    config = {**json.loads((hf_llama[0] / "config.json").read_text()), **edits}
+    with pytest.raises(PPTError, match=message):
+        ppt.model.config_from_hf({key: value for key, value in config.items() if value is not None})
 
 
 def test_smollm_sizes():
