@@ -36,3 +36,11 @@ def fresh(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model.init_weights()
     return model
+
+
+def of_model_py() -> str:
+    """The first of smallest_config_per_class() that model.py itself defines (not tests/third_arch.py): for runs in
+    child processes, which conftest.py's registration does not reach, and for a second architecture beside it."""
+    import third_arch
+
+    return next(name for name in smallest_config_per_class() if name not in third_arch.CONFIGS)
