@@ -4,6 +4,7 @@ build_model), so tests that use them run on whatever a fork's model.py holds, te
 
 from __future__ import annotations
 
+import third_arch
 import torch
 
 import ppt.model
@@ -41,6 +42,4 @@ def fresh(name: str, seed: int = 0) -> torch.nn.Module:
 def of_model_py() -> str:
     """The first of smallest_config_per_class() that model.py itself defines (not tests/third_arch.py): for runs in
     child processes, which conftest.py's registration does not reach, and for a second architecture beside it."""
-    import third_arch
-
     return next(name for name in smallest_config_per_class() if name not in third_arch.CONFIGS)
