@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import ppt.model
 from ppt import checkpoint as ckpt
 from ppt.common import (
     COMPILE_CHOICES,
@@ -59,16 +60,18 @@ from ppt.common import (
 from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader
 from ppt.devices import peak_flops
-from ppt.flops import mfu_flops_per_token
+from ppt.flops import NO_FORMULAS, mfu_flops_per_token
 from ppt.formatting import duration
 from ppt.locks import hold_lock, lock_directory, release_locks
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
 from ppt.memory import check_memory
-from ppt.model import CONFIGS, DEFAULT_CONFIG, OP_FORMULAS, build_model, get_config
+from ppt.model import CONFIGS, DEFAULT_CONFIG, build_model, get_config
 from ppt.optim import DEFAULT_LR, build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.run import Evaluation, RunRecord, TrainSettings, plot_losses
 from ppt.shards import check_prepared, default_data_dir, load_data_tokenizer
+
+OP_FORMULAS = getattr(ppt.model, "OP_FORMULAS", NO_FORMULAS)  # optional in model.py (SPEC.md)
 
 # Published recipes, as their public configurations state them; flags given beside --recipe override single values.
 MOR_BATCH_TOKENS = 2_097_152  # 1024 rows of 2048 tokens

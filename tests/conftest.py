@@ -58,6 +58,16 @@ def demo_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def short_docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Synthetic shards of short documents (about 12 tokens, vocab 512), so 32-token rows hold several; read-only."""
+    from ppt.synthetic import write_synthetic_data
+
+    directory = tmp_path_factory.mktemp("short_docs")
+    write_synthetic_data(directory, 512, 20_000, 12, seed=0, val_tokens=2048, phrases=50)
+    return directory
+
+
 @pytest.fixture
 def make_token_dir(tmp_path: Path) -> Callable[..., Path]:
     """Returns write(splits, vocab_size, eot_id=0): hand-made streams {"train": [stream, ...], "val": [...]} as a

@@ -1,4 +1,5 @@
 import pytest
+import third_arch
 import torch
 
 from ppt.kernels.attention import attention, document_mask
@@ -59,12 +60,9 @@ def test_compiled_flex_attention_matches_dense_reference_gradients_on_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_model_gives_the_eager_loss_with_and_without_grad_on_gpu():
-    """Compiled on CUDA, training forwards mask with FlexAttention and no-grad forwards with the dense mask."""
-    from ppt.model import build_model, get_config
-
-    torch.manual_seed(0)
-    model = build_model(get_config("tiny")).cuda()
-    model.init_weights()
+    """Compiled on CUDA, training forwards mask with FlexAttention and no-grad forwards with the dense mask (the
+    tests' grouped-query decoder, which attends through ppt.kernels.attention)."""
+    model = third_arch.build(n_head=4, n_kv_head=2).cuda()
     idx = torch.randint(1, model.config.vocab_size, (2, 129), device="cuda")
     doc_pos = random_doc_pos(2, 128, torch.Generator().manual_seed(1)).cuda()
     inputs, targets = idx[:, :-1], idx[:, 1:]

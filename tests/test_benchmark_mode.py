@@ -2,21 +2,23 @@ import json
 
 import numpy as np
 import pytest
+from architectures import of_model_py
 
 from ppt.common import PPTError, cache_dir
+from ppt.model import get_config
 from scripts.base_train import main
 
 
 def benchmark_argv(data_dir, out_dir, max_steps: int) -> list[str]:
-    sizes = "--config tiny --seq-len 32 --device-batch-size 2 --total-batch-tokens 64 --benchmark".split()
+    sizes = "--config gpt2-tiny --seq-len 32 --device-batch-size 2 --total-batch-tokens 64 --benchmark".split()
     return [*sizes, "--data-dir", str(data_dir), "--max-steps", str(max_steps), "--out-dir", str(out_dir)]
 
 
 def test_benchmark_mode_measures_without_touching_run_outputs(demo_data_dir, tmp_path, capsys):
     reports = cache_dir() / "reports"
     reports.mkdir(parents=True)
-    real_report = reports / "tiny.json"
-    real_report.write_text('{"run": "tiny", "from": "a real run"}')
+    real_report = reports / "gpt2-tiny.json"
+    real_report.write_text('{"run": "gpt2-tiny", "from": "a real run"}')
     main(benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=7))
     summary = json.loads(capsys.readouterr().out.split("benchmark ", 1)[1])
     assert summary["steps_measured"] == 2 and summary["tok_per_s"] > 0
@@ -111,8 +113,9 @@ def test_check_ddp_refuses_what_base_train_would_not_run(run_tool, flag, value):
 
 
 def test_bench_train_fails_when_a_variant_fails(run_tool):
-    # tiny's max_seq_len is 256: base_train refuses the run; the table still prints, then the tool exits 2
-    argv = "--config tiny --seq-len 512 --device-batch-size 1 --steps 6 --vocab-size 512 --compile off".split()
-    code, out, err = run_tool("bench.bench_train", *argv)
-    assert code == 2 and "| tiny | off | on | exit 2 |" in out.split("| config |")[-1]
+    # rows twice the config's max_seq_len: base_train refuses the run; the table still prints, then the tool exits 2
+    name = of_model_py()  # base_train runs in a child process
+    argv = f"--config {name} --seq-len {2 * get_config(name).max_seq_len} --device-batch-size 1 --steps 6".split()
+    code, out, err = run_tool("bench.bench_train", *argv, *"--vocab-size 512 --compile off".split())
+    assert code == 2 and f"| {name} | off | on | exit 2 |" in out.split("| config |")[-1]
     assert err.splitlines()[-1] == "error: 1 of 1 variants failed (--compile off --doc-masks on); their output is above"

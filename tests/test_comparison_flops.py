@@ -1,5 +1,6 @@
-"""The comparison-FLOPs rule: against a brute-force count of needed pairs for both shipped architectures, the loader's
-document-position counts, mixers without a pair formula, and exact counts through a training run and a resume."""
+"""The comparison-FLOPs rule: against a brute-force count of needed pairs for a grouped-query decoder, the loader's
+document-position counts, mixers without a pair formula, and exact counts through a training run. (Multiscreen's
+learned windows, and a resumed run that retraces them, are tests/test_model.py's.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import third_arch
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -16,18 +18,7 @@ import torch.nn.functional as F
 from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader
 from ppt.flops import OpFormulas, declare_token_mixer
-from ppt.model import OP_FORMULAS, build_model, get_config
 from scripts import base_train
-
-
-def initialized(name: str, **changes: object) -> nn.Module:
-    torch.manual_seed(0)
-    config = get_config(name)
-    for field, value in changes.items():
-        setattr(config, field, value)
-    model = build_model(config)
-    model.init_weights()
-    return model
 
 
 def random_doc_pos(rows: int, T: int, seed: int) -> np.ndarray:
@@ -59,39 +50,18 @@ def matmul_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.ndim >= 2)
 
 
-def test_vanilla_decoder_counts_causal_in_document_pairs_at_every_query_head():
-    model = initialized("tiny")
-    cfg = model.config
+def test_a_gqa_decoder_counts_causal_in_document_pairs_at_every_query_head():
+    model = third_arch.build(n_head=4, n_kv_head=2)
+    L, H, Q = model.config.n_layer, model.config.n_head, model.config.d_model // model.config.n_head
     doc_pos = random_doc_pos(3, 40, seed=1)
-    rule = comparison_flops_rule(model, 40, OP_FORMULAS)
-    heads = [(2 * (cfg.head_dim + cfg.head_dim), math.inf)] * (cfg.n_layer * cfg.n_head)  # GQA: every query head
+    rule = comparison_flops_rule(model, 40)
     counts = np.bincount(doc_pos.ravel(), minlength=40)
-    assert rule.params_matmul == matmul_params(model)
-    assert rule.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads)
+    n = matmul_params(model) - model.wpe.weight.numel()  # the position table is read by index, not multiplied
+    assert rule.params_matmul == n
+    assert rule.step_flops(counts) == brute_force(doc_pos, n, [(2 * (Q + Q), math.inf)] * L * H)
     assert rule.warning() is None
     # one document per row: 6N + 3 x 4 x L x H x Q x (T + 1) / 2, half the MFU convention's attention term
-    assert rule.per_token() == 6 * rule.params_matmul + 6 * cfg.n_layer * cfg.n_head * cfg.head_dim * 41
-
-
-def test_multiscreen_counts_in_window_in_document_pairs_at_the_windows_current_values():
-    model = initialized("multiscreen-tiny")
-    cfg = model.config
-    doc_pos = random_doc_pos(2, 48, seed=2)
-    counts = np.bincount(doc_pos.ravel(), minlength=48)
-    windows = lambda: [w for block in model.blocks for w in block.window().tolist()]  # noqa: E731
-    heads = lambda: [(2 * (cfg.d_key + cfg.d_value), w) for w in windows()]  # noqa: E731
-    assert len(set(windows())) > 1 and min(windows()) < 48 < max(windows())  # windows inside and beyond the row
-    rule = comparison_flops_rule(model, 48, OP_FORMULAS)
-    assert rule.params_matmul == matmul_params(model)
-    assert rule.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
-
-    with torch.no_grad():  # training moves the windows: a new trace counts them where they are now
-        for block in model.blocks:
-            block.s_w.add_(torch.linspace(-0.5, 1.5, cfg.n_head))
-    moved = comparison_flops_rule(model, 48, OP_FORMULAS)
-    assert moved.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
-    assert moved.step_flops(counts) != rule.step_flops(counts)
-    assert ComparisonFlops.from_state_dict(json.loads(json.dumps(moved.state_dict()))) == moved  # checkpoints
+    assert rule.per_token() == 6 * rule.params_matmul + 6 * L * H * Q * 41
 
 
 class EinsumAttentionLM(nn.Module):
@@ -249,16 +219,6 @@ def test_sdpa_with_a_mask_counts_densely_until_its_pairs_are_declared_with_the_l
     assert declared.step_flops(np.ones(8, dtype=np.int64)) == brute_force(doc_pos, 16 * 48 + 64 * 16, [(64, 3)])
 
 
-@pytest.fixture(scope="module")
-def short_docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Synthetic shards of short documents (about 12 tokens), so 32-token rows hold several."""
-    from ppt.synthetic import write_synthetic_data
-
-    directory = tmp_path_factory.mktemp("short_docs")
-    write_synthetic_data(directory, 512, 20_000, 12, seed=0, val_tokens=2048, phrases=50)
-    return directory
-
-
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_the_loader_counts_the_document_positions_of_the_batches_it_returned(short_docs, prefetch):
     loader = DataLoader(short_docs, "train", 3, 32, seed=5, prefetch=prefetch)
@@ -294,41 +254,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 def test_a_run_counts_the_documents_of_the_batches_it_trained_on(short_docs, tmp_path):
     out = tmp_path / "vanilla"
-    base_train.main(run_argv(short_docs, out, "tiny", "--data-seed", "3"))
+    base_train.main(run_argv(short_docs, out, "gpt2-tiny", "--data-seed", "3"))
     manifest = json.loads((out / "vanilla.json").read_text())
     rule = ComparisonFlops.from_state_dict(manifest["comparison_flops_rule"])
     loader = DataLoader(short_docs, "train", 2, 32, seed=3, prefetch=0)  # the run's batches, again
-    expected, total = [], 0
+    expected, total, cfg = [], 0, third_arch.CONFIGS["gpt2-tiny"]
     for _ in range(6):
         doc_pos = torch.cat([next(loader)[2] for _ in range(2)]).numpy()
-        cfg = get_config("tiny")
-        total += brute_force(doc_pos, rule.params_matmul, [(4 * cfg.head_dim, math.inf)] * cfg.n_layer * cfg.n_head)
+        heads = [(4 * cfg.d_model // cfg.n_head, math.inf)] * cfg.n_layer * cfg.n_head
+        total += brute_force(doc_pos, rule.params_matmul, heads)
         expected.append(total)
     assert [flops for _, flops, _ in step_rows(out)] == expected
     assert manifest["final_val"]["comparison_flops"] == manifest["comparison_flops"] == total
 
     out = tmp_path / "whole-rows"
-    base_train.main(run_argv(short_docs, out, "tiny", "--data-seed", "3", "--no-doc-masks"))
+    base_train.main(run_argv(short_docs, out, "gpt2-tiny", "--data-seed", "3", "--no-doc-masks"))
     flops = [flops for _, flops, _ in step_rows(out)]
     assert flops == [k * 128 * rule.per_token() for k in range(1, 7)]  # every row one document
     assert flops[-1] > total
-
-
-def test_an_interrupted_multiscreen_run_counts_exactly_what_the_whole_run_counts(short_docs, tmp_path, monkeypatch):
-    """The windows are learned, so the rule is traced again on a fixed schedule (every 2 steps here): a run stopped
-    between two traces resumes with the rule its checkpoint holds."""
-    monkeypatch.setattr(base_train, "RULE_RETRACE_STEPS", 2)
-    fast = ("--lr", "0.05")  # windows move within these few steps
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    base_train.main(run_argv(short_docs, whole, "multiscreen-tiny", *fast))
-    base_train.main(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--max-steps", "3"))
-    base_train.main(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--resume", "auto"))
-    assert step_rows(parts) == step_rows(whole)
-    increments = np.diff([0] + [flops for _, flops, _ in step_rows(whole)])
-    first = json.loads((whole / "whole.json").read_text())["comparison_flops_rule"]
-    assert first["traced_at_step"] == 0 and first["mixers"][0]["op"] == "screening"
-    from ppt import checkpoint as ckpt
-
-    final = ckpt.load_checkpoint(ckpt.latest_checkpoint(whole))["comparison"]
-    assert final["rule_step"] == 4 and final["rule"] != {k: first[k] for k in ("seq_len", "params_matmul", "mixers")}
-    assert len(set(increments.tolist())) > 1

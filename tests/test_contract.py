@@ -1,6 +1,7 @@
 """The model contract of SPEC.md, on every architecture in ppt/model.py, and the import rule that protects it.
 
-The architectures are found, not listed: one config per config class in CONFIGS, the one with the fewest parameters.
+The architectures are found, not listed: one config per config class in CONFIGS, the one with the fewest parameters
+(tests/architectures.py).
 An architecture added to model.py is therefore tested here without an edit to this file; tests/third_arch.py is one
 (registered for the whole test run by conftest.py), and the last test checks that it is picked up.
 """
@@ -8,12 +9,15 @@ An architecture added to model.py is therefore tested here without an edit to th
 import ast
 import dataclasses
 import json
+import pkgutil
 import subprocess
 import sys
+from inspect import signature
 from pathlib import Path
 
 import pytest
 import torch
+from architectures import fresh, smallest_config_per_class
 
 import ppt.model
 from ppt.common import PPTError
@@ -25,27 +29,7 @@ from ppt.optim import build_optimizer
 PACKAGE = Path(__file__).resolve().parents[1] / "ppt"
 
 
-def smallest_config_per_class() -> list[str]:
-    """The name of the config with the fewest parameters (built on meta) of each config class in CONFIGS."""
-    smallest: dict[type, tuple[int, str]] = {}
-    for name, config in ppt.model.CONFIGS.items():
-        with torch.device("meta"):
-            size = sum(p.numel() for p in ppt.model.build_model(config).parameters())
-        smallest[type(config)] = min(smallest.get(type(config), (size, name)), (size, name))
-    return sorted(name for _, name in smallest.values())
-
-
 ARCHITECTURES = smallest_config_per_class()
-
-
-def fresh(name: str, seed: int = 0) -> torch.nn.Module:
-    """Built on meta, materialized on the CPU and initialized, as base_train builds a model."""
-    with torch.device("meta"):
-        model = ppt.model.build_model(ppt.model.get_config(name))
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
 
 
 def other_tokens(idx: torch.Tensor, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -257,12 +241,14 @@ def test_the_forward_runs_on_meta_so_flops_are_traced_and_its_mixers_counted_by_
 
 
 def test_an_architecture_added_to_model_py_runs_in_every_contract_test():
-    """tests/third_arch.py, added to ppt/model.py for the test run, is found and tested like the shipped two (and so
-    is any architecture a fork adds)."""
-    assert {"gpt2-tiny", "multiscreen-tiny", "tiny"} <= set(ARCHITECTURES)
-    marks = {name: getattr(test, "pytestmark", []) for name, test in globals().items() if name.startswith("test_")}
-    contract_tests = [name for name, found in marks.items() if any(m.args[1] is ARCHITECTURES for m in found)]
-    assert len(contract_tests) >= 10, contract_tests
+    """tests/third_arch.py, added to ppt/model.py for the test run, is found and tested like model.py's own (and so
+    is any architecture a fork adds): one config of each config class, and every test that takes one runs on it."""
+    classes = {type(config) for config in ppt.model.CONFIGS.values()}
+    assert {type(ppt.model.CONFIGS[name]) for name in ARCHITECTURES} == classes and len(ARCHITECTURES) == len(classes)
+    takes_a_name = [t for key, t in globals().items() if key.startswith("test_") and "name" in signature(t).parameters]
+    assert takes_a_name and all(
+        any(mark.args[0] == "name" and "gpt2-tiny" in mark.args[1] for mark in test.pytestmark) for test in takes_a_name
+    )
 
 
 # ---- the import rule -------------------------------------------------------------------------------------------------
@@ -307,7 +293,17 @@ def test_importing_every_fixed_module_loads_no_model():
         "assert 'ppt.model' not in sys.modules, 'a fixed module imported ppt.model'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
-    assert len(FIXED_MODULES) >= 20
+    found = {module.name for module in pkgutil.walk_packages(ppt.__path__, "ppt.") if not module.ispkg}
+    assert set(FIXED_MODULES) == found - {"ppt.model"}  # every module of the package Python imports, kernels too
+
+
+@pytest.mark.parametrize(
+    "source, package",
+    [("import ppt.model", "ppt"), ("from ppt import model", "ppt"), ("from . import model", "ppt"),
+     ("def lazily():\n    from .model import Llama", "ppt"), ("from ..model import CONFIGS", "ppt.kernels")],
+)  # fmt: skip
+def test_the_import_rule_sees_every_form_of_importing_the_model(source, package):
+    assert "ppt.model" in [name for node in ast.walk(ast.parse(source)) for name in imported_names(node, package)]
 
 
 @pytest.mark.gpu

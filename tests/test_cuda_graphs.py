@@ -2,18 +2,16 @@
 
 import pytest
 import torch
+from architectures import fresh, smallest_config_per_class
 from torch._dynamo.utils import counters
 
-from ppt.model import build_model, get_config
 from scripts.base_train import allocate_grads
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("config", ["tiny", "multiscreen-tiny"])
-def test_cuda_graph_steps_accumulate_the_eager_gradients_on_gpu(config):
-    torch.manual_seed(0)
-    model = build_model(get_config(config)).cuda()
-    model.init_weights()
+@pytest.mark.parametrize("name", smallest_config_per_class())  # each architecture of ppt/model.py
+def test_cuda_graph_steps_accumulate_the_eager_gradients_on_gpu(name):
+    model = fresh(name).cuda()
     micro_batches = [torch.randint(1, model.config.vocab_size, (2, 129), device="cuda") for _ in range(6)]
 
     def steps(train_model: torch.nn.Module) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The lm-eval adapter against hand-computed loglikelihoods (a bigram toy and a tiny Llama), through lm-eval's own
+"""The lm-eval adapter against hand-computed loglikelihoods (a bigram toy and the tests' GPT-2), through lm-eval's own
 simple_evaluate on local tasks (no hub access), plus presets, task checks and the import contract."""
 
 import ast
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import third_arch
 import torch
 from records import write_manifest
 from torch import nn
@@ -31,7 +32,6 @@ from ppt.evals import (  # noqa: E402
     task_manager,
     write_choice_task,
 )
-from ppt.model import LlamaConfig, build_model  # noqa: E402
 from ppt.tokenizer import train_demo_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ class Bigram(nn.Module):
 
     def __init__(self, vocab_size: int, max_seq_len: int = 24) -> None:
         super().__init__()
-        self.config = LlamaConfig(1, 1, 1, 8, 8, vocab_size=vocab_size, max_seq_len=max_seq_len)
+        self.config = third_arch.GPT2Config(vocab_size=vocab_size, max_seq_len=max_seq_len)
         self.table = nn.Parameter(torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(0)))
 
     def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
@@ -61,16 +61,6 @@ class Bigram(nn.Module):
 
     def logprob(self, previous: int, token: int) -> float:
         return torch.log_softmax(self.table[previous].double(), -1)[token].item()
-
-
-def tiny_llama(vocab_size: int, max_seq_len: int = 32) -> nn.Module:
-    config = LlamaConfig(
-        n_layer=2, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=vocab_size, max_seq_len=max_seq_len
-    )
-    model = build_model(config)
-    torch.manual_seed(0)
-    model.init_weights()
-    return model.eval()
 
 
 def requests(kind, pairs):
@@ -96,7 +86,7 @@ def test_loglikelihood_is_the_sum_over_the_continuation_after_an_eot_prefix(toke
 
 
 def test_batching_and_padding_do_not_change_scores(tokenizer):
-    model = tiny_llama(tokenizer.vocab_size)
+    model = third_arch.build(vocab_size=tokenizer.vocab_size).eval()
     pairs = [(text[:40], text[40:70]) for text in TEXTS[:7]] + [("A", " b"), ("Section", " 1")]
     one = PPTLM(model, tokenizer, batch_size=1).loglikelihood(requests("loglikelihood", pairs))
     many = PPTLM(model, tokenizer, batch_size=4).loglikelihood(requests("loglikelihood", pairs))
@@ -106,7 +96,7 @@ def test_batching_and_padding_do_not_change_scores(tokenizer):
 
 def test_long_context_is_left_truncated_and_the_continuation_kept(tokenizer):
     L = 32
-    model = tiny_llama(tokenizer.vocab_size, max_seq_len=L)
+    model = third_arch.build(vocab_size=tokenizer.vocab_size, max_seq_len=L).eval()
     context, continuation = " ".join(TEXTS[:3]), " Modules are cached"
     lm = PPTLM(model, tokenizer)
     ((logprob, _),) = lm.loglikelihood(requests("loglikelihood", [(context, continuation)]))
@@ -310,23 +300,18 @@ def test_missing_lm_eval_is_a_clear_error(monkeypatch):
 
 @pytest.fixture
 def trained_run(demo_data_dir, offline_private_cache):
-    """A tiny model saved as run "tiny-run" (the way base_train saves it), with a manifest, over the demo data."""
+    """A small model saved as run "tiny-run" (the way base_train saves it), with a manifest, over the demo data."""
     import dataclasses
 
     from ppt import checkpoint as ckpt
     from ppt.shards import load_data_tokenizer
 
     tokenizer = load_data_tokenizer(demo_data_dir)
-    config = LlamaConfig(
-        n_layer=1, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=tokenizer.vocab_size, max_seq_len=64
-    )
-    model = build_model(config)
-    torch.manual_seed(0)
-    model.init_weights()
+    model = third_arch.build(n_layer=1, d_model=32, vocab_size=tokenizer.vocab_size, max_seq_len=64)
     directory = offline_private_cache / "checkpoints" / "tiny-run"
     payload = {
         "model": model.state_dict(),
-        "config": {"class": "LlamaConfig", **dataclasses.asdict(config)},
+        "config": {"class": "GPT2Config", **dataclasses.asdict(model.config)},
         "tokenizer_fingerprint": tokenizer.fingerprint,
         "tokens": 4096,
     }

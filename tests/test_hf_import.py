@@ -1,6 +1,8 @@
-"""Importing Hugging Face Llama folders: a random LlamaForCausalLM saved by transformers loads into ppt's model with
-transformers' logits in fp32, folders ppt cannot represent get one clear error, and base_eval and the lm-eval
-adapter score an imported folder with the code that scores ppt runs."""
+"""Importing Hugging Face folders (ppt/model_io.py), on a folder exported from each architecture of ppt/model.py that
+has hf_mapping() and config_from_hf() (found, not named; skipped where none has): it loads with the exported logits,
+a folder with missing, unexpected, misshapen or unreadable weights gets one clear error, and base_eval and the lm-eval
+adapter score it with the code that scores ppt runs. (Folders saved by transformers itself, and the configs
+config_from_hf refuses, are the shipped Llama's: tests/test_model.py.)"""
 
 import dataclasses
 import json
@@ -9,122 +11,80 @@ import shutil
 
 import pytest
 import torch
+from architectures import with_hf_mapping
 
 pytest.importorskip("safetensors")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import ppt.model  # noqa: E402
 from ppt.common import PPTError  # noqa: E402
-from ppt.model import LlamaConfig  # noqa: E402
 from ppt.model_io import ModelFile, context_prefix, load_run, load_tokenizer_for  # noqa: E402
 from ppt.shards import load_data_tokenizer  # noqa: E402
+from scripts.export_hf import export_model  # noqa: E402
 
 MODEL_FILE = ModelFile.of(ppt.model)
-# a tokenizer_config.json of SmolLM2's kind: a GPT-2 tokenizer whose BOS and EOS are <|endoftext|>, adding neither
-GPT2_KIND = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
-SMOLLM2_TOKENIZER_CONFIG = GPT2_KIND | {key: "<|endoftext|>" for key in ("bos_token", "eos_token", "unk_token")}
+IMPORTABLE = with_hf_mapping() if MODEL_FILE.config_from_hf else []
+pytestmark = pytest.mark.skipif(not IMPORTABLE, reason="no architecture of ppt/model.py imports Hugging Face folders")
 
 
-@pytest.fixture(scope="module")
-def hf_folder(demo_data_dir, tmp_path_factory):
-    """A random LlamaForCausalLM (GQA, rope theta 500, 48 positions, eps 1e-6) over the demo data's vocabulary,
-    saved by transformers with that tokenizer; read-only."""
+@pytest.fixture(scope="module", params=IMPORTABLE)
+def hf_folder(request, demo_data_dir, tmp_path_factory):
+    """A random model of the architecture (48 positions, random norm gains too) over the demo data's vocabulary,
+    exported with that tokenizer; read-only."""
     tokenizer = load_data_tokenizer(demo_data_dir)
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=48,
-        rope_theta=500.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
+    config = dataclasses.replace(ppt.model.get_config(request.param), vocab_size=tokenizer.vocab_size, max_seq_len=48)
+    model = ppt.model.build_model(config)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    for param in model.parameters():  # transformers inits norm gains at 1: random gains test their mapping too
-        torch.nn.init.normal_(param, std=0.3 if param.ndim == 1 else 0.05)
-    directory = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    model.save_pretrained(directory)
-    tokenizer.save(directory)  # SmolLM2's kind of tokenizer: it puts no BOS before a text
-    (directory / "tokenizer_config.json").write_text(json.dumps(SMOLLM2_TOKENIZER_CONFIG))
-    return directory, model
+    model.init_weights()
+    with torch.no_grad():
+        for param in model.parameters():  # gains start at 1: random ones test their mapping too
+            torch.nn.init.normal_(param, std=0.3 if param.ndim == 1 else 0.05)
+    saved = {"class": type(config).__name__, **dataclasses.asdict(config)}
+    directory = export_model(model.state_dict(), saved, tokenizer, tmp_path_factory.mktemp("hf") / request.param)
+    return directory, model.eval()
 
 
-def edited(hf_folder, tmp_path, config_edits=None, weights=None):
-    """A copy of the folder with config.json fields changed (None deletes) and/or other weights."""
-    source, _ = hf_folder
-    directory = tmp_path / "edited"
-    shutil.copytree(source, directory)
-    config = json.loads((directory / "config.json").read_text())
-    for key, value in (config_edits or {}).items():
-        config.pop(key) if value is None else config.__setitem__(key, value)
-    (directory / "config.json").write_text(json.dumps(config))
+def edited(hf_folder, tmp_path, weights=None):
+    """A copy of the folder, with other weights if given."""
+    directory = shutil.copytree(hf_folder[0], tmp_path / "edited")
     if weights is not None:
         save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 
-def test_a_transformers_llama_loads_with_its_config_and_logits(hf_folder):
+def test_a_folder_loads_with_its_logits_and_tokenizer_and_reports_elsewhere(hf_folder):
     directory, reference = hf_folder
     run = load_run(hf_dir=directory, model_file=MODEL_FILE)
-    vocab_size = reference.config.vocab_size
-    expected = LlamaConfig(2, 4, 2, 64, 96, vocab_size=vocab_size, max_seq_len=48, rope_theta=500.0, rms_eps=1e-6)
-    assert run.config == {"class": "LlamaConfig", **dataclasses.asdict(expected)}
     model = MODEL_FILE.build_from_checkpoint(run)
-    idx = torch.randint(0, expected.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, reference.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(model(idx), reference(idx).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(idx), reference(idx), atol=1e-5, rtol=1e-5)
     tokenizer, source = load_tokenizer_for(run)  # no data dir: the folder's own tokenizer
-    assert source == directory and tokenizer.vocab_size == expected.vocab_size
-    assert re.fullmatch("hf-tiny-llama-[0-9a-f]{8}", run.tag) and len(run.manifest_paths) == 1, "reports dir only"
+    assert source == directory and tokenizer.vocab_size == reference.config.vocab_size
+    assert run.tag.startswith(f"hf-{directory.name}-") and len(run.manifest_paths) == 1, "results: reports dir only"
 
 
 def test_two_folders_of_one_name_keep_their_results_apart(hf_folder, tmp_path):
-    directory, _ = hf_folder
-    other = tmp_path / directory.name
-    shutil.copytree(directory, other)
-    paths = {load_run(hf_dir=d, model_file=MODEL_FILE).manifest_paths[0] for d in (directory, other)}
+    other = shutil.copytree(hf_folder[0], tmp_path / hf_folder[0].name)
+    paths = {load_run(hf_dir=d, model_file=MODEL_FILE).manifest_paths[0] for d in (hf_folder[0], other)}
     assert len(paths) == 2
 
 
-@pytest.mark.parametrize(
-    "edits, message",
-    [
-        ({"model_type": "gpt2"}, "model_type 'gpt2'.*only Hugging Face Llama"),
-        ({"attention_bias": True}, "attention biases"),
-        ({"mlp_bias": True}, "MLP biases"),
-        ({"hidden_act": "gelu"}, "activation 'gelu'"),
-        ({"tie_word_embeddings": None}, "untied output head"),  # transformers' default is untied
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}}, "rope scaling 'llama3'"),
-        ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
-        ({"head_dim": 32}, "head_dim 32 .*= 16"),
-        ({"hidden_size": None}, "lacks 'hidden_size'"),
-        ({"intermediate_size": 128}, "mlp.gate_proj.weight has shape \\(96, 64\\).*makes it \\(128, 64\\)"),
-    ],
-)
-def test_configs_ppt_cannot_represent_are_refused(hf_folder, tmp_path, edits, message):
-    with pytest.raises(PPTError, match=message):
-        load_run(hf_dir=edited(hf_folder, tmp_path, config_edits=edits), model_file=MODEL_FILE)
-
-
-def test_missing_unexpected_and_unreadable_weights_are_refused(hf_folder, tmp_path):
+def test_missing_unexpected_misshapen_and_unreadable_weights_are_refused(hf_folder, tmp_path):
     directory, _ = hf_folder
     weights = load_file(directory / "model.safetensors")
-    missing = {k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"}
-    with pytest.raises(PPTError, match="it lacks model.layers.1.mlp.up_proj.weight"):
+    name = sorted(weights)[0]
+    missing = {k: v for k, v in weights.items() if k != name}
+    with pytest.raises(PPTError, match=f"it lacks {re.escape(name)}"):
         load_run(hf_dir=edited(hf_folder, tmp_path / "missing", weights=missing), model_file=MODEL_FILE)
-    # a tied head the file also stores, as transformers loads it: accepted when it equals the embedding
-    tied_copy = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}
-    run = load_run(hf_dir=edited(hf_folder, tmp_path / "tied", weights=tied_copy), model_file=MODEL_FILE)
-    assert torch.equal(run.state["model"]["embed.weight"], weights["model.embed_tokens.weight"])
-    untied = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"] + 1}
-    with pytest.raises(PPTError, match="lm_head.weight fit nowhere in it, and equal no weight that does"):
-        load_run(hf_dir=edited(hf_folder, tmp_path / "untied", weights=untied), model_file=MODEL_FILE)
+    extra = {**weights, "lm_head.extra": torch.zeros(2)}
+    with pytest.raises(PPTError, match="lm_head.extra fit nowhere"):
+        load_run(hf_dir=edited(hf_folder, tmp_path / "extra", weights=extra), model_file=MODEL_FILE)
+    shorter = {**weights, name: weights[name][:-1].clone()}
+    with pytest.raises(PPTError, match=re.escape(f"{name} has shape {tuple(shorter[name].shape)}, but its config")):
+        load_run(hf_dir=edited(hf_folder, tmp_path / "shorter", weights=shorter), model_file=MODEL_FILE)
     no_weights = edited(hf_folder, tmp_path / "bin")
     (no_weights / "model.safetensors").rename(no_weights / "pytorch_model.bin")
     with pytest.raises(PPTError, match="no model.safetensors.*safetensors only"):
@@ -138,7 +98,7 @@ def test_missing_unexpected_and_unreadable_weights_are_refused(hf_folder, tmp_pa
     with pytest.raises(PPTError, match="absent does not exist; pass a Hugging Face model folder"):
         load_run(hf_dir=tmp_path / "absent", model_file=MODEL_FILE)
     with pytest.raises(PPTError, match="names the model on its own"):
-        load_run(model_tag="tiny", hf_dir=directory, model_file=MODEL_FILE)
+        load_run(model_tag="a-run", hf_dir=directory, model_file=MODEL_FILE)
 
 
 def test_base_eval_and_the_lm_eval_adapter_score_an_imported_folder(hf_folder, demo_data_dir, capsys):
@@ -169,12 +129,14 @@ def test_base_eval_and_the_lm_eval_adapter_score_an_imported_folder(hf_folder, d
 
     requests = [Instance("loglikelihood", {}, ("The module", " is imported once"), 0)]
     adapter = CheckpointLM(hf_dir=str(directory), dtype="fp32", device="cpu")  # `--model ppt --model_args hf_dir=`
-    assert adapter.loglikelihood(requests) == PPTLM(model, tokenizer, prefix=[]).loglikelihood(requests)
+    expected = PPTLM(model, tokenizer, prefix=context_prefix(run, tokenizer)).loglikelihood(requests)
+    assert adapter.loglikelihood(requests) == expected
 
 
 def test_an_imported_folder_is_scored_with_its_own_tokenizers_convention_as_hflm_scores_it(hf_folder):
-    """The folder's tokenizer (SmolLM2's kind) puts no BOS before a text: the adapter adds no EOT, and gives lm-eval's
-    own HFLM's loglikelihoods on the folder; an empty context is conditioned on the BOS, as HFLM's is."""
+    """The adapter scores a folder with the BOS its tokenizer adds (an export's: EOT), giving lm-eval's own HFLM's
+    loglikelihoods on it; an empty context is conditioned on the BOS, as HFLM's is. (A tokenizer that adds no BOS,
+    SmolLM2's kind: tests/test_model.py.)"""
     pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate")
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import third_arch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +15,6 @@ from ppt.common import PPTError
 from ppt.data import DataLoader
 from ppt.kernels.attention import scores_with_autograd
 from ppt.loss_eval import evaluate_bpb
-from ppt.model import LlamaConfig, build_model
 from ppt.tokenizer import train_demo_tokenizer
 
 
@@ -129,16 +129,8 @@ def test_bytes_are_raw_utf8_bytes_even_for_partial_characters():
     assert result["bpb"] == pytest.approx((len(ids) - 1) * math.log(V) / (math.log(2) * len(text.encode())))
 
 
-def tiny_llama(vocab_size=64, seed=0):
-    config = LlamaConfig(n_layer=2, n_head=2, n_kv_head=1, d_model=32, d_ff=64, vocab_size=vocab_size, max_seq_len=32)
-    model = build_model(config)
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
-
-
 def test_deterministic_restores_mode_and_does_not_depend_on_batching():
-    model = tiny_llama().train()
+    model = third_arch.build(vocab_size=64, max_seq_len=32).train()
     gen = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, 64, (6, 32), generator=gen)
     targets = torch.randint(0, 64, (6, 32), generator=gen)
@@ -193,9 +185,9 @@ def test_scoring_off_cuda_runs_without_autograd():
 
 
 def test_bench_bpb_runs_each_variant_and_refuses_bad_lists(run_tool):
-    argv = ["--config", "tiny", "--seq-len", "32", "--eval-tokens", "256", "--compile", "off"]
+    argv = ["--config", "gpt2-tiny", "--seq-len", "32", "--eval-tokens", "256", "--compile", "off"]
     code, out, _ = run_tool("bench.bench_bpb", *argv, "--batch-size", "2,4")
-    assert code == 0 and "| tiny | off | 2 | 256 |" in out and "| tiny | off | 4 | 256 |" in out
+    assert code == 0 and "| gpt2-tiny | off | 2 | 256 |" in out and "| gpt2-tiny | off | 4 | 256 |" in out
     for flag, value, message in [
         ("--batch-size", "nan", "'nan' is not an integer >= 1"),
         ("--batch-size", "2,0", "'0' (in the list '2,0') is not an integer >= 1"),

@@ -2,15 +2,22 @@
 configs, Multiscreen against the paper's equations. The contract every architecture meets (causality, document
 isolation, roles, init, reductions, ...) is tests/test_contract.py's."""
 
+import dataclasses
 import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
+from test_comparison_flops import brute_force, matmul_params, random_doc_pos, run_argv, step_rows
 
+import ppt.model
+from ppt import checkpoint as ckpt
 from ppt.common import PPTError
-from ppt.model import CONFIGS, LlamaConfig, build_model, get_config
+from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
+from ppt.flops import Cost, cost
+from ppt.model import CONFIGS, OP_FORMULAS, LlamaConfig, build_model, get_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -43,43 +50,111 @@ def test_initial_loss_is_near_uniform():
     assert abs(model(idx, targets).item() - math.log(4096)) < 0.1
 
 
-def test_logits_match_hugging_face_llama():
+@pytest.fixture(scope="module")
+def hf_llama(demo_data_dir, tmp_path_factory):
+    """A random LlamaForCausalLM (GQA, rope theta 500, 48 positions, eps 1e-6, random norm gains) over the demo data's
+    vocabulary, saved by transformers with that tokenizer; read-only."""
     transformers = pytest.importorskip("transformers")
-    config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=192, vocab_size=256, max_seq_len=64)
+    from ppt.shards import load_data_tokenizer
+
+    tokenizer = load_data_tokenizer(demo_data_dir)
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48, rope_theta=500.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )  # fmt: skip
     torch.manual_seed(0)
-    model = build_model(config)
-    model.init_weights()
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.d_model,
-        intermediate_size=config.d_ff,
-        num_hidden_layers=config.n_layer,
-        num_attention_heads=config.n_head,
-        num_key_value_heads=config.n_kv_head,
-        max_position_embeddings=config.max_seq_len,
-        rope_theta=config.rope_theta,
-        rms_norm_eps=config.rms_eps,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    hf = transformers.LlamaForCausalLM(hf_config).float().eval()
-    ours = model.state_dict()
-    renamed = {"model.embed_tokens.weight": ours["embed.weight"], "model.norm.weight": ours["norm.weight"]}
-    for i in range(config.n_layer):
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            renamed[f"model.layers.{i}.self_attn.{proj}.weight"] = ours[f"blocks.{i}.attn.{proj}.weight"]
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            renamed[f"model.layers.{i}.mlp.{proj}.weight"] = ours[f"blocks.{i}.mlp.{proj}.weight"]
-        renamed[f"model.layers.{i}.input_layernorm.weight"] = ours[f"blocks.{i}.attn_norm.weight"]
-        renamed[f"model.layers.{i}.post_attention_layernorm.weight"] = ours[f"blocks.{i}.mlp_norm.weight"]
-    missing, unexpected = hf.load_state_dict(renamed, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr(), "HF head is not tied"
-    idx = torch.randint(0, config.vocab_size, (2, 48))
+    model = transformers.LlamaForCausalLM(config).eval()
+    for param in model.parameters():  # transformers inits norm gains at 1: random gains test their mapping too
+        torch.nn.init.normal_(param, std=0.3 if param.ndim == 1 else 0.05)
+    directory = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    model.save_pretrained(directory)
+    tokenizer.save(directory)
+    # SmolLM2's kind of tokenizer_config: a GPT-2 tokenizer whose BOS and EOS are <|endoftext|>, adding neither
+    special = {key: "<|endoftext|>" for key in ("bos_token", "eos_token", "unk_token")}
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer", **special}))
+    return directory, model
+
+
+def test_a_transformers_llama_imports_with_its_config_and_logits_and_exports_back(hf_llama, tmp_path):
+    """The Llama's hf_mapping() and config_from_hf against transformers itself, both ways."""
+    from transformers import AutoModelForCausalLM
+
+    from ppt.model_io import ModelFile, load_run, load_tokenizer_for
+    from scripts.export_hf import export_model
+
+    directory, reference = hf_llama
+    model_file = ModelFile.of(ppt.model)
+    run = load_run(hf_dir=directory, model_file=model_file)
+    vocab_size = reference.config.vocab_size
+    expected = LlamaConfig(2, 4, 2, 64, 96, vocab_size=vocab_size, max_seq_len=48, rope_theta=500.0, rms_eps=1e-6)
+    assert run.config == {"class": "LlamaConfig", **dataclasses.asdict(expected)}
+    idx = torch.randint(0, vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        diff = (model(idx) - hf(idx).logits).abs().max().item()
-    assert diff <= 1e-4
+        torch.testing.assert_close(
+            model_file.build_from_checkpoint(run)(idx), reference(idx).logits, atol=1e-5, rtol=1e-5
+        )
+        exported = export_model(run.state["model"], run.config, load_tokenizer_for(run)[0], tmp_path / "export")
+        again = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+        assert type(again).__name__ == "LlamaForCausalLM" and again.config.tie_word_embeddings
+        torch.testing.assert_close(again(idx).logits, reference(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_tied_head_the_file_also_stores_is_accepted_as_transformers_loads_it(hf_llama, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ppt.model_io import ModelFile, load_run
+
+    weights = load_file(hf_llama[0] / "model.safetensors")
+    for name, head, accepted in (("tied", 0, True), ("untied", 1, False)):
+        folder = shutil.copytree(hf_llama[0], tmp_path / name)
+        extra = {"lm_head.weight": weights["model.embed_tokens.weight"] + head}
+        save_file({**weights, **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        if accepted:
+            run = load_run(hf_dir=folder, model_file=ModelFile.of(ppt.model))
+            assert torch.equal(run.state["model"]["embed.weight"], weights["model.embed_tokens.weight"])
+        else:
+            with pytest.raises(PPTError, match="lm_head.weight fit nowhere in it, and equal no weight that does"):
+                load_run(hf_dir=folder, model_file=ModelFile.of(ppt.model))
+
+
+def test_a_folder_whose_tokenizer_adds_no_bos_is_scored_as_hflm_scores_it(hf_llama):
+    """SmolLM2's tokenizer puts nothing before a text: the adapter adds no EOT and gives HFLM's loglikelihoods; an empty
+    context is conditioned on the BOS, as HFLM's is."""
+    pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from scripts.lm_eval import CheckpointLM
+
+    pairs = [("The module", " is imported once"), ("", "Once upon a time"), ("A generator yields; " * 9, " values")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    ours = CheckpointLM(hf_dir=str(hf_llama[0]), dtype="fp32", device="cpu").loglikelihood(requests)
+    theirs = HFLM(pretrained=str(hf_llama[0]), device="cpu", dtype="float32", batch_size=2).loglikelihood(requests)
+    assert [lp for lp, _ in ours] == pytest.approx([lp for lp, _ in theirs], abs=1e-4)
+    assert [g for _, g in ours] == [g for _, g in theirs]
+
+
+@pytest.mark.parametrize(
+    "edits, message",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2'.*only Hugging Face Llama"),
+        ({"attention_bias": True}, "attention biases"),
+        ({"mlp_bias": True}, "MLP biases"),
+        ({"hidden_act": "gelu"}, "activation 'gelu'"),
+        ({"tie_word_embeddings": None}, "untied output head"),  # transformers' default is untied
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}}, "rope scaling 'llama3'"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
+        ({"head_dim": 32}, "head_dim 32 .*= 16"),
+        ({"hidden_size": None}, "lacks 'hidden_size'"),
+    ],
+)
+def test_configs_the_llama_cannot_compute_are_refused_by_config_from_hf(hf_llama, edits, message):
+    config = {**json.loads((hf_llama[0] / "config.json").read_text()), **edits}
+    with pytest.raises(PPTError, match=message):
+        ppt.model.config_from_hf({key: value for key, value in config.items() if value is not None})
 
 
 def test_smollm_sizes():
@@ -232,6 +307,71 @@ def test_multiscreen_sizes(psi):
         model = build_model(config)
     per_layer = psi * (2 * 16 * d + 3 * 64 * d) + 3 * psi
     assert sum(p.numel() for p in model.parameters()) == 49152 * d + psi * per_layer + 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Multiscreen's FLOPs as the fixed trace and comparison rule count them (tests/test_comparison_flops.py's brute force)
+
+
+def test_multiscreen_counts_the_same_flops_through_the_gated_output_op_as_through_its_reference(monkeypatch):
+    """On meta the trace runs gated_output's reference; one that met the op instead (its cost formula, then the torch
+    ops of its backward) would count the same N, MFU, matmul FLOPs of both passes and comparison rule."""
+    model = fresh("multiscreen-tiny")
+
+    def counted() -> tuple[Cost, tuple]:
+        step = cost(model, batch_size=2, seq_len=32, formulas=OP_FORMULAS)
+        matmuls = {row: step.flops[row] for row in (("primal", "matmul"), ("adjoint", "matmul"))}
+        rule = comparison_flops_rule(model, 32, OP_FORMULAS).state_dict()
+        return step, (step.params_matmul, step.flops_per_token, step.attention_flops, matmuls, rule)
+
+    reference, expected = counted()
+    monkeypatch.setattr(ppt.model, "gated_output", lambda h, g, w: torch.ops.ppt.gated_output(h, g, w.to(h.dtype)))
+    through_op, got = counted()
+    assert got == expected
+    booked = lambda step: {op for (_, _, _, op, _) in step.ops}
+    assert "gated_output" in booked(through_op) and "gated_output" not in booked(reference)
+
+
+def test_multiscreen_counts_in_window_in_document_pairs_at_the_windows_current_values():
+    model = fresh("multiscreen-tiny")
+    cfg = model.config
+    doc_pos = random_doc_pos(2, 48, seed=2)
+    counts = np.bincount(doc_pos.ravel(), minlength=48)
+    windows = lambda: [w for block in model.blocks for w in block.window().tolist()]  # noqa: E731
+    heads = lambda: [(2 * (cfg.d_key + cfg.d_value), w) for w in windows()]  # noqa: E731
+    assert len(set(windows())) > 1 and min(windows()) < 48 < max(windows())  # windows inside and beyond the row
+    rule = comparison_flops_rule(model, 48, OP_FORMULAS)
+    assert rule.params_matmul == matmul_params(model)
+    assert rule.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
+
+    with torch.no_grad():  # training moves the windows: a new trace counts them where they are now
+        for block in model.blocks:
+            block.s_w.add_(torch.linspace(-0.5, 1.5, cfg.n_head))
+    moved = comparison_flops_rule(model, 48, OP_FORMULAS)
+    assert moved.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
+    assert moved.step_flops(counts) != rule.step_flops(counts)
+    assert ComparisonFlops.from_state_dict(json.loads(json.dumps(moved.state_dict()))) == moved  # checkpoints
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_interrupted_multiscreen_run_counts_exactly_what_the_whole_run_counts(short_docs, tmp_path, monkeypatch):
+    """The windows are learned, so the rule is traced again on a fixed schedule (every 2 steps here): a run stopped
+    between two traces resumes with the rule its checkpoint holds."""
+    from scripts import base_train
+
+    monkeypatch.setattr(base_train, "RULE_RETRACE_STEPS", 2)
+    fast = ("--lr", "0.05")  # windows move within these few steps
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    base_train.main(run_argv(short_docs, whole, "multiscreen-tiny", *fast))
+    base_train.main(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--max-steps", "3"))
+    base_train.main(run_argv(short_docs, parts, "multiscreen-tiny", *fast, "--resume", "auto"))
+    assert step_rows(parts) == step_rows(whole)
+    increments = np.diff([0] + [flops for _, flops, _ in step_rows(whole)])
+    first = json.loads((whole / "whole.json").read_text())["comparison_flops_rule"]
+    assert first["traced_at_step"] == 0 and first["mixers"][0]["op"] == "screening"
+    final = ckpt.load_checkpoint(ckpt.latest_checkpoint(whole))["comparison"]
+    assert final["rule_step"] == 4 and final["rule"] != {k: first[k] for k in ("seq_len", "params_matmul", "mixers")}
+    assert len(set(increments.tolist())) > 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from architectures import of_model_py
 from records import write_manifest
 
 from ppt import checkpoint as ckpt
@@ -23,7 +24,7 @@ from scripts import base_eval, base_train
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-def run_argv(data: Path, out: Path, *extra: str, config: str = "tiny", steps: int = 4) -> list[str]:
+def run_argv(data: Path, out: Path, *extra: str, config: str = "gpt2-tiny", steps: int = 4) -> list[str]:
     return [
         "--config", config, "--data-dir", str(data), "--out-dir", str(out), "--tag", out.name, "--seq-len", "32",
         "--total-batch-tokens", "128", "--device-batch-size", "2", "--target-tokens", str(steps * 128),
@@ -45,7 +46,7 @@ def test_the_manifest_records_the_run_and_relaunches_it(demo_data_dir, tmp_path,
     base_train.main(argv)
     log = capsys.readouterr().out
     data = manifest(first)
-    assert data["argv"] == argv and data["command"].startswith("python -m scripts.base_train --config tiny")
+    assert data["argv"] == argv and data["command"].startswith("python -m scripts.base_train --config gpt2-tiny")
     recorded = data["train"]
     assert recorded["weight_decay"] == 0.05 and recorded["grad_clip"] == 1.0 and recorded["decay_frac"] == 0.2
     assert recorded["doc_masks"] is False and recorded["deterministic"] is False
@@ -120,10 +121,10 @@ def test_one_data_seed_gives_every_architecture_the_same_tokens_and_the_model_se
     batches, inits = recording(monkeypatch)
     runs = {}
     for name, config, seeds in [
-        ("vanilla", "tiny", ["--data-seed", "7", "--model-seed", "1"]),
-        ("screening", "multiscreen-tiny", ["--data-seed", "7", "--model-seed", "1"]),
-        ("vanilla-init2", "tiny", ["--seed", "1", "--data-seed", "7", "--model-seed", "2"]),
-        ("vanilla-data8", "tiny", ["--data-seed", "8", "--model-seed", "1"]),
+        ("gpt2", "gpt2-tiny", ["--data-seed", "7", "--model-seed", "1"]),
+        ("other", of_model_py(), ["--data-seed", "7", "--model-seed", "1"]),
+        ("gpt2-init2", "gpt2-tiny", ["--seed", "1", "--data-seed", "7", "--model-seed", "2"]),
+        ("gpt2-data8", "gpt2-tiny", ["--data-seed", "8", "--model-seed", "1"]),
     ]:
         batches.clear()
         base_train.main(
@@ -131,14 +132,10 @@ def test_one_data_seed_gives_every_architecture_the_same_tokens_and_the_model_se
         )
         runs[name] = (torch.cat(batches), inits[-1])
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # noqa: E731
-    assert torch.equal(runs["vanilla"][0], runs["screening"][0])  # another architecture, the same token stream
-    assert torch.equal(runs["vanilla"][0], runs["vanilla-init2"][0]) and not same(
-        runs["vanilla"][1], runs["vanilla-init2"][1]
-    )
-    assert not torch.equal(runs["vanilla"][0], runs["vanilla-data8"][0]) and same(
-        runs["vanilla"][1], runs["vanilla-data8"][1]
-    )
-    seeds = manifest(tmp_path / "vanilla-init2")["train"]
+    assert torch.equal(runs["gpt2"][0], runs["other"][0])  # another architecture, the same token stream
+    assert torch.equal(runs["gpt2"][0], runs["gpt2-init2"][0]) and not same(runs["gpt2"][1], runs["gpt2-init2"][1])
+    assert not torch.equal(runs["gpt2"][0], runs["gpt2-data8"][0]) and same(runs["gpt2"][1], runs["gpt2-data8"][1])
+    seeds = manifest(tmp_path / "gpt2-init2")["train"]
     assert (seeds["seed"], seeds["data_seed"], seeds["model_seed"]) == (1, 7, 2)
 
 

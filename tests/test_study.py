@@ -1,6 +1,6 @@
 """The study runner: its decisions (sizes around the prior, sweeps that extend at an edge, sizes added past the
-best) on a table of losses, then a miniature study end to end on CPU (two tiny architectures, three sizes each,
-two budgets, two seeds), its resume and its refusals."""
+best) on a table of losses, then a miniature study end to end on CPU (two variants of the tests' architecture,
+three sizes each, two budgets, two seeds), its resume and its refusals."""
 
 from __future__ import annotations
 
@@ -9,13 +9,23 @@ import math
 import os
 import socket
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from third_arch import GPT2Config
 
+import ppt.model
 from ppt import locks
 from ppt.common import PPTError
 from scripts import study
+
+SIZES = {  # added to model.py's CONFIGS while this module runs; FLOPs per token near those of model.py's d1-d3
+    **{f"gpt2-{L}x{d}": GPT2Config(n_layer=L, d_model=d) for L, d in ((1, 64), (2, 128), (3, 192))},
+    **{
+        f"gqa-{L}x{d}": GPT2Config(n_layer=L, n_head=4, n_kv_head=2, d_model=d) for L, d in ((2, 64), (3, 96), (3, 128))
+    },
+}
 
 GRID = """
 name = "mini"
@@ -28,13 +38,21 @@ args = ["--seq-len", "32", "--total-batch-tokens", "128", "--device-batch-size",
         "--log-every", "100"]
 
 [arch.vanilla]
-sizes = ["d1", "d2", "d3"]
+sizes = ["gpt2-1x64", "gpt2-2x128", "gpt2-3x192"]
 lrs = [3e-3]
 
-[arch.screen]
-sizes = ["multiscreen-d5", "multiscreen-d6", "multiscreen-d7"]
+[arch.gqa]
+sizes = ["gqa-2x64", "gqa-3x96", "gqa-3x128"]
 lrs = [1e-2]
 """
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sizes() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for name, config in SIZES.items():
+            mp.setitem(ppt.model.CONFIGS, name, config)
+        yield
 
 
 def write_grid(tmp_path: Path, data: Path, text: str = GRID) -> Path:
@@ -94,8 +112,9 @@ def finished_study(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def test_miniature_study_trains_every_size_and_seed_and_states_a_verdict(finished_study):
     grid, out, results = finished_study
     record = json.loads((out / "study.json").read_text())
-    assert record["deterministic"] and record["params"]["d1"] < record["params"]["d2"] < record["params"]["d3"]
-    trained = {"vanilla": ["d1", "d2", "d3"], "screen": ["multiscreen-d5", "multiscreen-d6", "multiscreen-d7"]}
+    params = record["params"]
+    assert record["deterministic"] and params["gpt2-1x64"] < params["gpt2-2x128"] < params["gpt2-3x192"]
+    trained = {"vanilla": ["gpt2-1x64", "gpt2-2x128", "gpt2-3x192"], "gqa": ["gqa-2x64", "gqa-3x96", "gqa-3x128"]}
     assert record["sizes"] == {f"{a} {b}": sizes for a, sizes in trained.items() for b in ("3e+09", "1e+10")}
     assert len(record["rates"]) == 6  # one rate a size: given, not swept
     runs = sorted(p.name for p in (out / "runs").iterdir())
@@ -126,7 +145,7 @@ def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_data_dir, tmp_pat
     out = tmp_path / "out"
     assert study.main([str(write_grid(tmp_path, demo_data_dir)), "--out", str(out), "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert "d1-f3e+09-lr0.003-s0: python -m scripts.base_train" in printed and "--deterministic" in printed
+    assert "gpt2-1x64-f3e+09-lr0.003-s0: python -m scripts.base_train" in printed and "--deterministic" in printed
     assert not out.exists()
 
 
@@ -143,15 +162,15 @@ def test_a_bad_out_is_refused_with_one_message_before_any_run(demo_data_dir, tmp
         (lambda g: g.replace("lrs = [1e-2]", "lrs = []"), "non-empty list"),
         (lambda g: g.replace('baseline = "vanilla"', 'baseline = "gpt2"'), "not an \\[arch"),
         (lambda g: g.replace('"--seq-len", "32"', '"--lr", "1", "--seq-len", "32"'), "--lr"),
-        (lambda g: g.replace('["d1", "d2", "d3"]', '["d1", "d2"]'), "at least 3 config names"),
+        (lambda g: g.replace('"gpt2-1x64", "gpt2-2x128", ', '"gpt2-2x128", '), "at least 3 config names"),
         (lambda g: g.replace("budgets = [3e9, 1e10]", "budgets = [-1]"), "positive"),
         (lambda g: g.replace("seeds = [0, 1]", "seeds = [0.5]"), "whole numbers"),
         (lambda g: g.replace("seeds = [0, 1]", "seeds = [0, 0]"), "repeats a value"),
         (lambda g: "sizes_per_budget = 2\n" + g, "at least 3"),
         (lambda g: "learning_rate = 3\n" + g, "unknown keys"),
         (lambda g: g + "\nlearning_rate = 3\n", "takes `sizes`, `lrs` and `args`"),
-        (lambda g: g.replace("[arch.screen]", "[arch.screen"), "not valid TOML"),
-        (lambda g: g.split("[arch.screen]")[0], "at least two architectures"),
+        (lambda g: g.replace("[arch.gqa]", "[arch.gqa"), "not valid TOML"),
+        (lambda g: g.split("[arch.gqa]")[0], "at least two architectures"),
         # values base_train's parser refuses, found before any run starts
         (lambda g: g.replace('"--seq-len", "32"', '"--seq-len", "0"'), "--seq-len: '0' is not an integer >= 1"),
     ],

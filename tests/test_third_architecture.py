@@ -1,8 +1,8 @@
 """The fork contract end to end: an architecture added to ppt/model.py alone (tests/third_arch.py, a GPT-2-style
-decoder that conftest.py registers) trains on CPU through base_train, is scored by base_eval, is compared with the
-vanilla tiny run by scripts.compare, and is refused by export_hf (it has no hf_mapping) with one clear error. An
-architecture whose forward cannot run on the meta device trains too: one warning, no MFU, and comparison FLOPs
-that say they count 6N alone."""
+decoder that conftest.py registers) trains on CPU through base_train, is scored by base_eval, is compared by
+scripts.compare with a run of one of model.py's own architectures, and is refused by export_hf (it has no hf_mapping)
+with one clear error. An architecture whose forward cannot run on the meta device trains too: one warning, no MFU,
+and comparison FLOPs that say they count 6N alone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import third_arch
+from architectures import of_model_py
 
 import ppt.model
 from ppt.common import PPTError
@@ -19,6 +20,7 @@ from scripts import base_eval, base_train, export_hf
 from scripts.compare import compare
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+OWN = of_model_py()  # the run it is compared with
 
 
 def train(data: Path, out: Path, config: str) -> dict:
@@ -36,9 +38,9 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     root = tmp_path_factory.mktemp("third")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PPT_CACHE", str(root / "cache"))  # the function-scoped private cache is not set up yet
-        for config in ("tiny", "gpt2-tiny"):
+        for config in (OWN, "gpt2-tiny"):
             train(demo_data_dir, root / config, config)
-    return {config: root / config for config in ("tiny", "gpt2-tiny")}
+    return {config: root / config for config in (OWN, "gpt2-tiny")}
 
 
 def test_the_third_architecture_trains_is_evaluated_and_compared(runs, demo_data_dir, capsys):
@@ -54,9 +56,9 @@ def test_the_third_architecture_trains_is_evaluated_and_compared(runs, demo_data
     assert evaluated["eval_tokens"] == 256 and evaluated["val"]["tokens"] == trained["final_val"]["eval_tokens"]
     assert evaluated["val"]["bpb"] == pytest.approx(trained["final_val"]["val_bpb"], rel=1e-6)
 
-    table = compare([runs["tiny"] / "tiny.json", runs["gpt2-tiny"] / "gpt2-tiny.json"], baseline="tiny")
+    table = compare([runs[OWN] / f"{OWN}.json", runs["gpt2-tiny"] / "gpt2-tiny.json"], baseline=OWN)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
-    assert set(rows) == {"tiny", "gpt2-tiny"}
+    assert set(rows) == {OWN, "gpt2-tiny"}
     assert f"{evaluated['val']['bpb']:.4f}" in rows["gpt2-tiny"] and "n/a (one seed)" in rows["gpt2-tiny"]
     assert " *" not in table  # both traced: their comparison FLOPs are counted by the rule
 
@@ -102,6 +104,6 @@ def test_a_forward_that_cannot_run_on_meta_trains_with_one_warning_and_no_mfu(
     assert rule["untraced"] and rule["params_matmul"] == matrices and rule["mixers"] == []
     assert trained["final_val"]["comparison_flops"] == 6 * matrices * trained["final_val"]["tokens"]
 
-    table = compare([runs["tiny"] / "tiny.json", tmp_path / "value-dependent" / "value-dependent.json"])
+    table = compare([runs[OWN] / f"{OWN}.json", tmp_path / "value-dependent" / "value-dependent.json"])
     assert table.count(" *") == 1 and "* not every token mixer counted by the pairs it needs (value-dependent" in table
     assert "comparison FLOPs count 6N alone" in table and rule["warning"] in table

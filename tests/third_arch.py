@@ -1,6 +1,7 @@
 """A third architecture, written as a researcher would add one to ppt/model.py, and not shipped there: a GPT-2-style
 decoder (pre-norm LayerNorm with biases, GELU MLP, learned positions indexed by doc_pos, tied head), through the
-contract of SPEC.md alone.
+contract of SPEC.md alone. It imports nothing of model.py, so it stays whatever a fork does there, and the tests of
+fixed code take their model from it (`build`): they pass on any model.py that honours the contract.
 
 `register(ppt.model)` adds its configs to CONFIGS and its class to build_model, the two edits model.py would get.
 conftest.py registers it for the whole test run, so every test that discovers the architectures of model.py
@@ -22,13 +23,13 @@ import torch.nn.functional as F
 
 from ppt.common import PPTError
 from ppt.kernels.attention import attention, document_mask
-from ppt.model import check_sequence_length, language_model_loss
 
 
 @dataclass
 class GPT2Config:
     n_layer: int = 2
     n_head: int = 2
+    n_kv_head: int | None = None  # fewer key/value heads than query heads (grouped-query attention); None: n_head
     d_model: int = 64
     vocab_size: int = 512
     max_seq_len: int = 128
@@ -38,9 +39,10 @@ class GPT2Config:
 class GPT2Block(nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head or config.n_head
+        self.head_dim = config.d_model // config.n_head
         self.ln_1 = nn.LayerNorm(config.d_model)
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.qkv = nn.Linear(config.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim)
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.ln_2 = nn.LayerNorm(config.d_model)
         self.fc = nn.Linear(config.d_model, 4 * config.d_model)
@@ -48,7 +50,8 @@ class GPT2Block(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: object) -> torch.Tensor:
         B, T, d = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).view(B, T, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(self.ln_1(x)).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
         x = x + self.proj(attention(q, k, v, mask).transpose(1, 2).reshape(B, T, d))
         return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
 
@@ -84,7 +87,9 @@ class GPT2(nn.Module):
         }
 
     def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):  # the contract's signature
-        T = check_sequence_length(idx, self.config.max_seq_len)
+        T = idx.shape[1]
+        if T > self.config.max_seq_len:
+            raise PPTError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
         positions = torch.arange(T, device=idx.device) if doc_pos is None else doc_pos
         x = self.wte(idx) + self.wpe(positions)
         mask = document_mask(doc_pos)
@@ -94,7 +99,10 @@ class GPT2(nn.Module):
         if self.spare is not None and self.calls <= self.config.spare_calls:
             x = x + self.spare(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
-        return logits if targets is None else language_model_loss(logits, targets, reduction)
+        if targets is None:
+            return logits
+        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=reduction)
+        return nll.view(targets.shape) if reduction == "none" else nll
 
 
 CONFIGS = {
@@ -102,6 +110,14 @@ CONFIGS = {
     "gpt2-spare": GPT2Config(spare_calls=0),
     "gpt2-spare-late": GPT2Config(spare_calls=1),
 }
+
+
+def build(seed: int = 0, **fields: object) -> GPT2:
+    """A GPT2 of GPT2Config(**fields), on the CPU, initialized under `seed`: the model tests of fixed code use."""
+    model = GPT2(GPT2Config(**fields))
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
 
 
 def register(model_file: ModuleType) -> None:
