@@ -26,9 +26,10 @@ How it decides, all from the runs finished so far, so that rerunning the same co
 - Sizes. At each budget it trains the `sizes_per_budget` sizes nearest (in log parameters) to the one the prior
   puts there, then, while the best of them (lowest mean final val bpb over the seeds) is at an end of those trained
   and the list goes on, the next size past that end.
-- Learning rates. Each size's rate is swept at the smallest budget (the first seed only); a best rate
-  at either end of the sweep adds the next rate past it (the sweep's own ratio), up to 3 times a side. A diverged run
-  counts as infinitely bad. The rate is then used at every budget, for every seed.
+- Learning rates. Each size's rate is swept at the smallest budget that trains it (the first seed only), not
+  where it would read a few steps; a best rate at either end of the sweep adds the next rate past it (the sweep's own
+  ratio), up to 3 times a side. A diverged run counts as infinitely bad. The rate is then used at every budget, for
+  every seed.
 - Noise. Runs are --deterministic (bitwise reproducible; --no-deterministic turns it off). The baseline's first
   run is also run again as it was (bitwise equal expected) and twice without --deterministic: the rerun floor.
 - The verdict (ppt/frontier.py): per architecture and budget, loss against log parameters as a parabola, its
@@ -222,6 +223,13 @@ def run_argv(grid: Grid, run: Run, out: Path, deterministic: bool) -> list[str]:
     return flags + (["--deterministic"] if deterministic and not run.variant.startswith("-nondet") else [])
 
 
+def _without_compile_mode(argv: list[str]) -> list[str]:
+    """A run's flags but --compile-mode, which changes how kernels launch, not what they compute (CUDA graphs replay
+    the same kernels: bitwise equal runs, docs/benchmarks.md), so a study may change it midway."""
+    at = argv.index("--compile-mode") if "--compile-mode" in argv else len(argv)
+    return argv[:at] + argv[at + 2 :]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The plan: the runs that the finished ones call for next
 
@@ -244,7 +252,7 @@ class Study:
         if run in self.finished or not path.is_file():
             return self.finished.get(run)
         record = RunRecord.load(path)
-        if record.argv != self.argv(run):
+        if _without_compile_mode(record.argv) != _without_compile_mode(self.argv(run)):
             raise PPTError(
                 f"{path.parent} holds a run made by another command ({' '.join(record.argv)}); the grid changed "
                 "since it ran. Use another --out, or delete that run directory to rerun it"
@@ -264,14 +272,16 @@ class Study:
         return run_argv(self.grid, run, self.out, self.deterministic)
 
     def plan(self) -> list[Run]:
-        """Every run the finished ones call for now, unfinished first in a deterministic order."""
+        """Every run the finished ones call for now, unfinished first, smaller budgets first (a study stopped midway
+        has whole frontiers at its smaller budgets)."""
         todo: list[Run] = []
-        for arch in self.grid.archs:
-            for budget in self.grid.budgets:
+        for budget in self.grid.budgets:
+            for arch in self.grid.archs:
                 sizes, waiting = self.sizes_at(arch, budget)
                 todo += waiting
                 self.decisions["sizes"][f"{arch.name} {budget:.3g}"] = sizes
-        todo += self.floor_runs()
+            if budget == self.grid.budgets[0]:
+                todo += self.floor_runs()
         return list(dict.fromkeys(r for r in todo if self.loss(r) is None))
 
     def sizes_at(self, arch: Arch, budget: float) -> tuple[list[str], list[Run]]:
@@ -281,7 +291,7 @@ class Study:
         while True:
             waiting, means = [], {}
             for size in sizes:
-                lr, sweep = self.rate(arch, size)
+                lr, sweep = self.rate(arch, size, self.first_budget(arch, size, budget))
                 runs = sweep if lr is None else [Run(arch.name, size, budget, lr, s) for s in self.grid.seeds]
                 waiting += [r for r in runs if self.loss(r) is None]
                 if lr is not None and not waiting:
@@ -315,9 +325,14 @@ class Study:
             )
         return [s for s in arch.sizes if s in chosen]
 
-    def rate(self, arch: Arch, size: str) -> tuple[float | None, list[Run]]:
-        """(the size's learning rate, its sweep's runs at the smallest budget); None until the sweep has decided."""
-        lrs, budget, seed = list(arch.lrs), self.grid.budgets[0], self.grid.seeds[0]
+    def first_budget(self, arch: Arch, size: str, budget: float) -> float:
+        """The smallest budget that trains the size: a smaller one whose sizes (decided first) hold it, or this one."""
+        smaller = [b for b in self.grid.budgets if b < budget]
+        return next((b for b in smaller if size in self.decisions["sizes"].get(f"{arch.name} {b:.3g}", [])), budget)
+
+    def rate(self, arch: Arch, size: str, budget: float) -> tuple[float | None, list[Run]]:
+        """(the size's learning rate, its sweep's runs at the budget); None until the sweep has decided."""
+        lrs, seed = list(arch.lrs), self.grid.seeds[0]
         while True:
             sweep = [Run(arch.name, size, budget, lr, seed) for lr in lrs]
             losses = [self.loss(r) for r in sweep]

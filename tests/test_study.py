@@ -81,6 +81,9 @@ def test_a_best_rate_at_an_edge_extends_the_sweep_until_it_is_inside():
     for rate in s.decisions["rates"].values():
         assert rate["lr"] == pytest.approx(best) and not rate["at_edge"] and rate["swept_at"] in (1e12, 1e14)
         assert [float(lr) for lr in rate["sweep"]] == pytest.approx([1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2])
+    # each size is swept at the smallest budget that trains it: a3 first enters the sizes at 1e14
+    assert s.decisions["sizes"]["a 1e+12"] == ["a0", "a1", "a2"] and "a3" in s.decisions["sizes"]["a 1e+14"]
+    assert s.decisions["rates"]["a a0"]["swept_at"] == 1e12 and s.decisions["rates"]["a a3"]["swept_at"] == 1e14
     # a rate still falling after three extensions stays at the edge, and says so
     s = planned(table_grid([1e-3, 2e-3, 4e-3]), lambda run: -run.lr)
     assert all(r["at_edge"] and r["lr"] == pytest.approx(4e-3 * 2**3) for r in s.decisions["rates"].values())
@@ -135,6 +138,12 @@ def test_rerun_trains_nothing_and_a_changed_grid_is_refused(finished_study, tmp_
     assert study.main([str(grid), "--out", str(out)]) == 0
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")} == before
     assert "[1]" not in capsys.readouterr().out  # nothing was trained
+    launch = tmp_path / "launch.toml"  # how kernels launch is not the run's: its finished runs stand
+    launch.write_text(
+        grid.read_text().replace('args = ["--seq-len"', 'args = ["--compile-mode", "max-autotune", "--seq-len"')
+    )
+    assert study.main([str(launch), "--out", str(out), "--dry-run"]) == 0
+    assert ": python -m" not in capsys.readouterr().out
     changed = tmp_path / "changed.toml"
     changed.write_text(grid.read_text().replace('"--eval-tokens", "256"', '"--eval-tokens", "128"'))
     with pytest.raises(PPTError, match="another command"):
