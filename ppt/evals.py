@@ -25,6 +25,7 @@ from __future__ import annotations
 import difflib
 import json
 import random
+import sys
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -335,6 +336,10 @@ class PPTLM(TemplateLM):
             return ids
         return [*self.prefix, *ids]
 
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        # bars only on a terminal: redrawn into a log, each is one endless line (so for lm-eval's tokenizing bar too)
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not sys.stderr.isatty())
+
     def _loglikelihood_tokens(
         self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
@@ -383,7 +388,7 @@ class PPTLM(TemplateLM):
         """
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
         results: list[tuple[float, bool]] = [(0.0, True)] * len(windows)
-        bar = tqdm(total=len(windows), desc=desc, disable=disable_tqdm or self.rank != 0)
+        bar = tqdm(total=len(windows), desc=desc, disable=disable_tqdm or self.rank != 0 or not sys.stderr.isatty())
         for start in range(0, len(order), self.batch_size):
             chunk = [i for i in order[start : start + self.batch_size] if windows[i][1] > 0]
             if chunk:

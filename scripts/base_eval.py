@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
         if shortfall:
             warn0(shortfall)
         n_batches = -(-val.val_rows(budget) // args.batch_size)
-        batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=not rt.is_master)
+        quiet = not rt.is_master or not sys.stderr.isatty()  # a bar redrawn into a log is one endless line
+        batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=quiet)
         bpb_model = maybe_compile(model, args.compile, rt.device)
         bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
         bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype, prefix)

@@ -332,8 +332,9 @@ def test_base_eval_demo_task_prints_the_table_and_updates_both_manifests(trained
     base_eval.main(
         ["--model-tag", "tiny-run", "--eval-tokens", "1024", "--batch-size", "4", "--demo-task", "--device", "cpu"]
     )
-    shown = capsys.readouterr().out
+    shown, bars = capsys.readouterr()
     assert "| val bits per byte ↓ (1,024 tokens) |" in shown and "demo continuation" in shown
+    assert not any(bar in bars for bar in ("val bpb", "Tokenizing", "loglikelihood")), "no progress bars in a log"
     data_dir = json.loads((path.parent / "tiny-run.json").read_text())["data"]["dir"]
     expected = evaluate_bpb(model, DataLoader(data_dir, "val", 4, 32).val_batches(1024), tokenizer.token_bytes())
     for manifest in (offline_private_cache / "reports" / "tiny-run.json", path.parent / "tiny-run.json"):
