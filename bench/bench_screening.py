@@ -14,8 +14,7 @@ The inputs are the seed's benchmark shape, two packings (bench/screening.py). In
   --profile  the device time of that fwd+bwd by kernel, for every implementation (uniform packing)
 The seed's kernel is imported from --ref/multiscreen_gist.py (its wandb import stubbed, nothing trained); copy the
 seed's folder there. --baseline takes a ppt/kernels/screening_triton.py of another commit (`git show
-REV:ppt/kernels/screening_triton.py > .ref/screening_triton_REV.py`), timed on the same inputs. Tile sizes are
-swept by bench.screening_sweep, and bench.screening_launch_once is the program for Nsight Compute.
+REV:ppt/kernels/screening_triton.py > .ref/screening_triton_REV.py`), timed on the same inputs.
 """
 
 from __future__ import annotations
@@ -153,7 +152,7 @@ def print_work(packing: str, c: dict, pairs: float) -> None:
     dK, dV = c["q"].shape[-1], c["v"].shape[-1]
     plans = screening.SHIPPED_PLANS
     print(f"{packing} ours: kernel   ms       useful GFLOP  computed GFLOP  tiles   HBM MB  L2 MB   TFLOP/s  HBM GB/s")
-    for kind, ms in screening.time_kernels(plans, c).items():
+    for kind, ms in screening.time_kernels(c).items():
         work = plan_work(kind, plans[kind], c)
         useful, computed = (n * flops_per_pair(kind, dK, dV) for n in (pairs, work["pairs"]))
         hbm = minimal_bytes(kind, c)
