@@ -1,5 +1,5 @@
 """bench_screening's flags and inputs (the seed's benchmark shape, two packings of documents), our kernels or another
-commit's kernel file, their check against float64, and one window class's launch of a kernel.
+commit's kernel file, and their check against float64.
 
 The inputs: 16 rows of 4096 tokens (65,536, the seed's benchmark), 16 heads, dK 16, dV 64, windows
 exp(linspace(0, ln 256, H)) + 1 (the model's initial windows), rho 2 (r = 0.5), bf16 unit-norm q/k/v. Two packings:
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import load_module, median_ms, require_cuda
+from bench.common import load_module, require_cuda
 from ppt.common import ArgumentParser, PPTError, nonneg_int, positive_float, positive_int
 from ppt.kernels import screening_triton as kernels
 from ppt.kernels.screening import screening, screening_metadata, screening_reference
@@ -168,33 +168,3 @@ def passes(label: str, impl: Impl, check: tuple[dict, list[torch.Tensor]]) -> bo
     verdict = "ok" if worst <= TOLERANCE else f"FAIL (> {TOLERANCE}), not timed"
     print(f"check {label:<22} " + " ".join(f"{k} {v:.1e}" for k, v in errors.items()) + f"  {verdict}", flush=True)
     return worst <= TOLERANCE
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Launches by window class
-
-
-def class_launch(kind: str, c: dict, span_range: tuple[int, int], blocks: tuple) -> Callable[[], object]:
-    """One class's launch of a kernel on case c, writing into buffers of its own. The dK/dV launch sums rows of dQ
-    partials as long as the shipped DQ_PLAN's."""
-    q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
-    doc_start, doc_end = c["meta"]
-    if kind == "forward":
-        out = torch.empty_like(v)
-        return lambda: kernels.forward_class(q, k, v, out, w, r, doc_start, *span_range, blocks)
-    partials = kernels.dq_partials(q, ((None, blocks),) if kind == "dq" else None)
-    if kind == "dq":
-        dq = torch.empty_like(q)
-        return lambda: kernels.dq_class(q, k, v, g, dq, partials, w, r, doc_start, *span_range, blocks)
-    dk, dv, dw, dr = torch.empty_like(k), torch.empty_like(v), torch.empty_like(w), torch.empty_like(r)
-    return lambda: kernels.dkdv_class(q, k, v, g, dk, dv, partials, dw, dr, w, r, doc_start, doc_end, *span_range,
-                                      blocks)  # fmt: skip
-
-
-def time_kernels(c: dict) -> dict[str, float]:
-    """ms of each shipped kernel's launches alone: forward, dq, dkdv (with the sums of dq's partials)."""
-    times = {}
-    for kind, plan in SHIPPED_PLANS.items():
-        launches = [class_launch(kind, c, (lo, hi), blocks) for lo, hi, blocks in kernels.plan_classes(plan)]
-        times[kind] = median_ms(lambda launches=launches: [launch() for launch in launches], rep=100)
-    return times
