@@ -9,13 +9,10 @@ The inputs are the seed's benchmark shape, two packings (bench/screening.py). In
   times      medians of triton.testing.do_bench (L2 flushed between runs): the op as the model calls it (fwd; fwd and
              autograd backward), the per-batch metadata, the seed's op, and --baseline; and the device time of one
              fwd+bwd (its kernels' own time by torch.profiler: the host's speed left out)
-  work       per kernel of ours: its launches timed alone, FLOPs of the in-window pairs and of the pairs its tiles
-             compute, the HBM bytes it cannot avoid and the bytes its tiles read from L2
   --profile  the device time of that fwd+bwd by kernel, for every implementation (uniform packing)
 The seed's kernel is imported from --ref/multiscreen_gist.py (its wandb import stubbed, nothing trained); copy the
 seed's folder there. --baseline takes a ppt/kernels/screening_triton.py of another commit (`git show
-REV:ppt/kernels/screening_triton.py > .ref/screening_triton_REV.py`), timed on the same inputs. Tile sizes are
-swept by bench.screening_sweep, and bench.screening_launch_once is the program for Nsight Compute.
+REV:ppt/kernels/screening_triton.py > .ref/screening_triton_REV.py`), timed on the same inputs.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ import triton
 from bench import screening
 from bench.common import kernel_times, load_module, median_ms, print_kernel_times, python_file
 from ppt.common import positive_float, run_cli
-from ppt.kernels import screening_triton as kernels
 from ppt.kernels.screening import screening_cost, screening_metadata
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -94,81 +90,12 @@ def seed_impl(seed: types.ModuleType) -> screening.Impl:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Work per kernel: pairs its tiles compute, FLOPs and bytes
-
-
-def tile_work(kind: str, blocks: tuple, span_range: tuple[int, int], c: dict) -> dict[str, float]:
-    """Tiles and pairs a kernel's launch computes for the heads of one class, from its loop bounds (as the kernel
-    derives them), and the bytes those tiles read from L2."""
-    block_m, block_n = blocks[:2]
-    doc_start, doc_end = (m.long().cpu() for m in c["meta"])
-    B, T = doc_start.shape
-    dK, dV = c["q"].shape[-1], c["v"].shape[-1]
-
-    def by_tile(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # (B, T) -> (B, tiles, size), padded
-        return torch.nn.functional.pad(x, (0, (-T) % size), value=fill).view(B, -1, size)
-
-    def tiles_over(extent: torch.Tensor, size: int) -> int:  # tiles of `size` covering each extent (none if <= 0)
-        return int((extent + size - 1).div(size, rounding_mode="floor").clamp(min=0).sum())
-
-    spans = torch.ceil(torch.clamp(c["window"].cpu().double(), max=T)).long().tolist()
-    tiles = 0
-    for span in (x for x in spans if span_range[0] <= x <= span_range[1]):
-        if kind in ("forward", "dq"):  # per query tile, key tiles from the window's or document's start
-            starts = torch.arange(0, T, block_m)
-            first = torch.maximum(by_tile(doc_start, block_m, T).min(dim=2).values, starts - span + 1)
-            first = first.div(block_n, rounding_mode="floor") * block_n
-            tiles += tiles_over(torch.clamp(starts + block_m, max=T) - first, block_n)
-        else:  # per key tile, query tiles up to the window's or document's end
-            starts = torch.arange(0, T, block_n)
-            last = torch.minimum(torch.clamp(starts + block_n - 1 + span, max=T),
-                                 by_tile(doc_end, block_n, 0).max(dim=2).values + 1)  # fmt: skip
-            tiles += tiles_over(last - starts.div(block_m, rounding_mode="floor") * block_m, block_m)
-    rows_loaded = block_n if kind in ("forward", "dq") else block_m
-    bytes_per_row = 2 * (dK + dV) + (4 if kind == "dkdv" else 0)  # k and v (or q, dout and doc_start)
-    return {"tiles": tiles, "pairs": tiles * block_m * block_n, "l2_bytes": tiles * rows_loaded * bytes_per_row}
-
-
-def plan_work(kind: str, plan: tuple, c: dict) -> dict[str, float]:
-    """tile_work summed over the plan's window classes."""
-    works = [tile_work(kind, blocks, (lo, hi), c) for lo, hi, blocks in kernels.plan_classes(plan)]
-    return {key: sum(work[key] for work in works) for key in works[0]}
-
-
-def minimal_bytes(kind: str, c: dict) -> int:
-    """Bytes each kernel must move through HBM: every tensor it reads or writes, once (bf16), plus metadata."""
-    B, T, H, dK = c["q"].shape
-    dV = c["v"].shape[-1]
-    elements = {"forward": 2 * dK + 2 * dV, "dq": 2 * dK + 2 * dV + dK, "dkdv": 2 * dK + 2 * dV + dK + dV}[kind]
-    return 2 * B * T * H * elements + 4 * B * T * (1 if kind != "dkdv" else 2)
-
-
-def flops_per_pair(kind: str, dK: int, dV: int) -> int:
-    return {"forward": 2 * (dK + dV), "dq": 2 * (2 * dK + dV), "dkdv": 4 * (dK + dV)}[kind]
-
-
-def print_work(packing: str, c: dict, pairs: float) -> None:
-    """Per kernel of the shipped plans: its launches timed alone, the FLOPs of the in-window pairs and of the pairs
-    its tiles compute, the HBM bytes it cannot avoid and the bytes its tiles read from L2."""
-    dK, dV = c["q"].shape[-1], c["v"].shape[-1]
-    plans = screening.SHIPPED_PLANS
-    print(f"{packing} ours: kernel   ms       useful GFLOP  computed GFLOP  tiles   HBM MB  L2 MB   TFLOP/s  HBM GB/s")
-    for kind, ms in screening.time_kernels(plans, c).items():
-        work = plan_work(kind, plans[kind], c)
-        useful, computed = (n * flops_per_pair(kind, dK, dV) for n in (pairs, work["pairs"]))
-        hbm = minimal_bytes(kind, c)
-        print(f"  {kind:<8} {ms:7.4f}  {useful / 1e9:12.2f}  {computed / 1e9:14.2f}  {work['tiles']:6d}  "
-              f"{hbm / 1e6:7.1f}  {work['l2_bytes'] / 1e6:6.1f}  {useful / ms / 1e9:7.1f}  "
-              f"{hbm / ms / 1e6:8.0f}")  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # Timings
 
 
 def time_packing(packing: str, c: dict, impls: dict, args: argparse.Namespace) -> tuple[list, dict]:
     """Rows of (packing, what, fwd ms, fwd+bwd ms, fwd+bwd device ms) for every implementation on case c, and the
-    kernel times of each fwd+bwd; prints the work per kernel of ours. fwd+bwd runs as training calls it (ours: the op
+    kernel times of each fwd+bwd. fwd+bwd runs as training calls it (ours: the op
     and autograd). The wall figures (do_bench) include host time wherever the host is slower than the kernels; the
     device figure is the sum of the kernels' own times (torch.profiler)."""
     cost = screening_cost(*c["q"].shape, c["v"].shape[-1], c["window"], c["meta"], torch.bfloat16)
@@ -186,7 +113,6 @@ def time_packing(packing: str, c: dict, impls: dict, args: argparse.Namespace) -
     ms_per_byte = 1e3 / (args.hbm_tbps * 1e12)
     both = (cost["fwd_bytes"] + cost["bwd_bytes"]) * ms_per_byte
     rows.append((packing, "HBM floor", cost["fwd_bytes"] * ms_per_byte, both, both))
-    print_work(packing, c, cost["pairs"])
     return rows, profiles
 
 

@@ -28,7 +28,7 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None, rep: int = 200) -> float:
+def median_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
     """Median ms of fn: triton's do_bench on CUDA (L2 flushed between calls); one timed call elsewhere (a smoke test
     in Triton's interpreter)."""
     for _ in range(3 if torch.cuda.is_available() else 1):  # compile and warm caches outside the timed region
@@ -40,7 +40,7 @@ def median_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None 
         return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median")
 
 
 def kernel_times(fn: Callable[[], object], leaves: list[torch.Tensor], iterations: int = 10) -> dict:

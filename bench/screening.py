@@ -1,6 +1,5 @@
-"""What the screening tools share: their flags and inputs (the seed's benchmark shape, two packings of documents), our
-kernels called with given plans or another commit's kernel file, their check against float64, and one window class's
-launch of a kernel.
+"""bench_screening's flags and inputs (the seed's benchmark shape, two packings of documents), our kernels or another
+commit's kernel file, and their check against float64.
 
 The inputs: 16 rows of 4096 tokens (65,536, the seed's benchmark), 16 heads, dK 16, dV 64, windows
 exp(linspace(0, ln 256, H)) + 1 (the model's initial windows), rho 2 (r = 0.5), bf16 unit-norm q/k/v. Two packings:
@@ -18,14 +17,13 @@ from pathlib import Path
 
 import torch
 
-from bench.common import load_module, median_ms, require_cuda
+from bench.common import load_module, require_cuda
 from ppt.common import ArgumentParser, PPTError, nonneg_int, positive_float, positive_int
 from ppt.kernels import screening_triton as kernels
 from ppt.kernels.screening import screening, screening_metadata, screening_reference
 
 TOLERANCE = 2e-2  # bf16 operands: relative error of h and the gradients against float64
-PLAN_NAMES = {"forward": "FORWARD_PLAN", "dq": "DQ_PLAN", "dkdv": "DKDV_PLAN"}
-SHIPPED_PLANS = {kind: getattr(kernels, name) for kind, name in PLAN_NAMES.items()}
+SHIPPED_PLANS = {"forward": kernels.FORWARD_PLAN, "dq": kernels.DQ_PLAN, "dkdv": kernels.DKDV_PLAN}
 
 
 def parser(doc: str) -> ArgumentParser:
@@ -51,17 +49,6 @@ def checked(args: argparse.Namespace, tool: str) -> argparse.Namespace:
     if args.tokens % args.row_len:
         raise PPTError(f"--tokens {args.tokens} must be a multiple of --row-len {args.row_len}")
     return args
-
-
-def parse_blocks(text: str) -> tuple[int, ...]:
-    """'32,16,1,2,168' -> (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]), as a plan's classes hold them."""
-    try:
-        blocks = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        blocks = ()
-    if len(blocks) not in (4, 5) or min(blocks) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG], e.g. 32,16,2,3")
-    return blocks
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -126,21 +113,16 @@ class Impl:
     train: Callable[[dict], tuple[Callable[[], object], list[torch.Tensor]]]
 
 
-def ours(plans: dict = SHIPPED_PLANS) -> Impl:
-    """Our kernels called directly with the given plans (default: the shipped ones). train: the op through autograd
-    as the model calls it, which launches the shipped plans; the two kernel calls for other plans."""
+def ours() -> Impl:
+    """Our kernels with the shipped plans. train: the op through autograd, as the model calls it."""
 
     def fwd(c: dict) -> torch.Tensor:
-        return kernels.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0], plans["forward"])
+        return kernels.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0])
 
     def bwd(c: dict) -> tuple:
-        return kernels.screening_backward(
-            c["q"], c["k"], c["v"], c["window"], c["rho"], *c["meta"], c["grad_out"], plans["dq"], plans["dkdv"]
-        )
+        return kernels.screening_backward(c["q"], c["k"], c["v"], c["window"], c["rho"], *c["meta"], c["grad_out"])
 
     def train(c: dict) -> tuple[Callable[[], object], list[torch.Tensor]]:
-        if plans != SHIPPED_PLANS:
-            return lambda: (fwd(c), bwd(c)), []
         leaves = [c[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "window", "rho")]
         return lambda: screening(*leaves, c["meta"]).backward(c["grad_out"]), leaves
 
@@ -186,33 +168,3 @@ def passes(label: str, impl: Impl, check: tuple[dict, list[torch.Tensor]]) -> bo
     verdict = "ok" if worst <= TOLERANCE else f"FAIL (> {TOLERANCE}), not timed"
     print(f"check {label:<22} " + " ".join(f"{k} {v:.1e}" for k, v in errors.items()) + f"  {verdict}", flush=True)
     return worst <= TOLERANCE
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Launches by window class
-
-
-def class_launch(kind: str, c: dict, span_range: tuple[int, int], blocks: tuple) -> Callable[[], object]:
-    """One class's launch of a kernel on case c, writing into buffers of its own. The dK/dV launch sums rows of dQ
-    partials as long as the shipped DQ_PLAN's."""
-    q, k, v, w, r, g = (c[n] for n in ("q", "k", "v", "window", "rho", "grad_out"))
-    doc_start, doc_end = c["meta"]
-    if kind == "forward":
-        out = torch.empty_like(v)
-        return lambda: kernels.forward_class(q, k, v, out, w, r, doc_start, *span_range, blocks)
-    partials = kernels.dq_partials(q, ((None, blocks),) if kind == "dq" else None)
-    if kind == "dq":
-        dq = torch.empty_like(q)
-        return lambda: kernels.dq_class(q, k, v, g, dq, partials, w, r, doc_start, *span_range, blocks)
-    dk, dv, dw, dr = torch.empty_like(k), torch.empty_like(v), torch.empty_like(w), torch.empty_like(r)
-    return lambda: kernels.dkdv_class(q, k, v, g, dk, dv, partials, dw, dr, w, r, doc_start, doc_end, *span_range,
-                                      blocks)  # fmt: skip
-
-
-def time_kernels(plans: dict, c: dict) -> dict[str, float]:
-    """ms of each kernel's launches alone for a plan: forward, dq, dkdv (with the sums of dq's partials)."""
-    times = {}
-    for kind in PLAN_NAMES:
-        launches = [class_launch(kind, c, (lo, hi), blocks) for lo, hi, blocks in kernels.plan_classes(plans[kind])]
-        times[kind] = median_ms(lambda launches=launches: [launch() for launch in launches], rep=100)
-    return times

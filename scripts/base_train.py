@@ -125,12 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data and batch")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default <cache>/data/fineweb-edu)")
     g.add_argument("--seq-len", type=positive_int, help="tokens per row (default min(2048, the config's max_seq_len))")
-    g.add_argument(
-        "--total-batch-tokens", type=token_count, help="tokens per optimizer step, all ranks (default 524288)"
-    )
-    g.add_argument(
-        "--device-batch-size", type=positive_int, help="rows per forward on one device; accumulation derived"
-    )
+    g.add_argument("--total-batch-tokens", type=token_count, help="tokens per step, all ranks (default 524288)")
+    g.add_argument("--device-batch-size", type=positive_int, help="rows per forward on a device; accumulation derived")
     g.add_argument("--target-tokens", type=token_count, help="training budget in tokens (default 20 x parameters)")
     g.add_argument(
         "--target-flops",
@@ -140,14 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("optimization")
     g.add_argument("--optimizer", choices=["adamw", "muon", "aurora"], default="adamw")
-    g.add_argument(
-        "--lr", type=Number(float, 0, 1e6, above=True), help="peak learning rate (default per optimizer)"
-    )  # bounded: past ~3e38 an fp32 optimizer step overflows; far below that no run learns
+    # bounded: past ~3e38 an fp32 optimizer step overflows; far below that no run learns
+    g.add_argument("--lr", type=Number(float, 0, 1e6, above=True), help="peak learning rate (default per optimizer)")
     g.add_argument("--weight-decay", type=Number(float, 0, 1e6), default=0.1)
     g.add_argument("--schedule", choices=["constant", "cosine", "wsd"], default="wsd")
-    g.add_argument(
-        "--warmup-tokens", type=nonneg_token_count, help="LR warmup length in tokens (default 1%% of the budget)"
-    )
+    g.add_argument("--warmup-tokens", type=nonneg_token_count, help="LR warmup in tokens (default 1%% of the budget)")
     g.add_argument(
         "--decay-frac", type=Number(float, 0, 1), default=0.2, help="wsd: the last fraction of steps, decayed linearly"
     )
@@ -175,9 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep", type=nonneg_int, default=3, help="checkpoints to keep (0 keeps all)")
     g.add_argument("--resume", help="'auto' (latest complete checkpoint in --out-dir, if any) or a checkpoint path")
     g.add_argument("--run", help="wandb run name; wandb stays off without it")
-    g.add_argument(
-        "--seed", type=nonneg_int, default=0, help="sets --data-seed and --model-seed where they are not given"
-    )
+    g.add_argument("--seed", type=nonneg_int, default=0, help="sets --data-seed and --model-seed unless given")
     g.add_argument(
         "--data-seed",
         type=nonneg_int,
@@ -208,12 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="deterministic kernels only (slower; an op without one stops the run): identical runs, identical losses",
     )
-    g.add_argument(
-        "--log-every", type=positive_int, default=1, help="steps between log lines and the record's step entries"
-    )
-    g.add_argument(
-        "--max-steps", type=positive_int, help="stop at this step without changing the LR schedule (benchmarks)"
-    )
+    g.add_argument("--log-every", type=positive_int, default=1, help="steps between log lines and record entries")
+    g.add_argument("--max-steps", type=positive_int, help="stop at this step, the LR schedule unchanged (benchmarks)")
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
     g.add_argument(
         "--benchmark",
@@ -472,7 +459,8 @@ class Trainer:
             self.rule = ComparisonFlops.from_state_dict(state["comparison"]["rule"])
             self.rule_step, self.comparison_flops = state["comparison"]["rule_step"], state["comparison"]["flops"]
         else:
-            self.rule, self.rule_step, self.comparison_flops = self.trace_rule(), 0, 0
+            self.rule = comparison_flops_rule(self.model, self.seq_len, OP_FORMULAS)
+            self.rule_step, self.comparison_flops = 0, 0
         warnings = [rule_warning] if (rule_warning := self.rule.warning()) else []
         if untraced:  # one line when the rule's warning already says why the trace failed
             warnings = [f"{warnings[0]}; no MFU either"] if self.rule.untraced else [f"no MFU: {untraced}", *warnings]
@@ -609,10 +597,6 @@ class Trainer:
         derived |= {"seq_len": s.seq_len, "total_batch_tokens": s.total_batch_tokens, "warmup_tokens": s.warmup_tokens}
         return flags | derived | ({} if self.args.target_flops else {"target_tokens": s.target_tokens})
 
-    def trace_rule(self) -> ComparisonFlops:
-        """The comparison-FLOPs rule, traced from the model as it is now (learned windows move)."""
-        return comparison_flops_rule(self.model, self.seq_len, OP_FORMULAS)
-
     def wall_time(self) -> float:
         """Seconds this run has trained: this process's, plus those of earlier ones up to the resumed checkpoint."""
         return self.state.get("wall_time_s", 0.0) + time.perf_counter() - self.started
@@ -631,7 +615,7 @@ class Trainer:
                 self.stopping = self.stop_signal[0]
                 break
             if self.step % RULE_RETRACE_STEPS == 0 and self.step != self.rule_step:  # learned windows move
-                self.rule, self.rule_step = self.trace_rule(), self.step
+                self.rule, self.rule_step = comparison_flops_rule(self.model, self.seq_len, OP_FORMULAS), self.step
                 self.last_sync = time.perf_counter()  # the trace's time is not the step's
             set_lr(self.optimizer, lr_multiplier(self.step, s.steps, s.warmup_steps, s.schedule, s.decay_frac))
             loss, norm, finite, counts, data_time = self.forward_backward()

@@ -71,12 +71,3 @@ def test_compiled_model_gives_the_eager_loss_with_and_without_grad_on_gpu():
     torch.testing.assert_close(compiled(inputs, targets, doc_pos).detach(), eager, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         torch.testing.assert_close(compiled(inputs, targets, doc_pos), eager, rtol=1e-4, atol=1e-4)
-
-
-def test_bench_attention_names_bad_kernel_options_and_a_missing_gpu(run_tool):
-    for bad in ("{BLOCK_M: 64", "[64]"):
-        code, _, err = run_tool("bench.bench_attention", "--flex-options", bad)
-        assert code == 2 and err.startswith("error: ") and "is not a JSON dict" in err
-    if not torch.cuda.is_available():
-        code, _, err = run_tool("bench.bench_attention", "--flex-options", '{"BLOCK_M": 64}')
-        assert code == 2 and "needs a GPU" in err

@@ -62,11 +62,8 @@ FROZEN = {
     "scripts.flops": ["--config", "--batch-size", "--seq-len", "--device"],
     # measurement tools: an outside baseline is a path given on the command line
     "bench.bench_screening": ["--ref", "--baseline", "--profile"],
-    "bench.screening_sweep": ["--blocks"],
-    "bench.screening_launch_once": ["--baseline"],
     "bench.bench_optimizer": ["--baseline-optim"],
     "bench.bench_cross_entropy": ["--tokens", "--sweep"],
-    "bench.kernel_stats": ["--kernel-file", "--blocks"],
     "bench.bench_train": ["--config", "--steps", "--compile", "--nproc", "--profile"],
     "bench.check_hf_import": ["--hf-dir", "--max-bpb"],
 }

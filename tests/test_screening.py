@@ -5,7 +5,6 @@ import math
 import os
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -333,30 +332,6 @@ def test_cuda_kernels_agree_across_block_configs(plan):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Tools around the kernels
-
-
-def test_kernel_stats_compiles_for_sm90_without_a_gpu(run_tool):
-    """bench.kernel_stats compiles a kernel ahead of time for an H100/H200 and reads its registers and loop."""
-    triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").is_file():
-        pytest.skip("this Triton ships no cuobjdump")
-    code, out, err = run_tool("bench.kernel_stats", "--kernels", "forward", "--blocks", "16,16,1,2")
-    assert code == 0, err
-    row = out.strip().splitlines()[-1]
-    kind, regs, loop = row.split()[0], int(row.split()[5]), int(row.split()[10])
-    assert kind == "forward" and 0 < regs <= 255 and loop > 0
-    assert "HMMA" in row  # the loop's dots run on tensor cores
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's answer")
-def test_screening_sweep_blocks_name_a_kernel_and_four_or_five_numbers(run_tool):
-    pytest.importorskip("triton")
-    code, _, err = run_tool("bench.screening_sweep", "--blocks", "dq=32,16,1,2,168", "forward=16,16,1,3")
-    assert code != 0 and "needs a GPU" in err  # accepted; only the missing GPU stops it
-    code, _, err = run_tool("bench.screening_sweep", "--blocks", "attention=16,16,1,1")
-    assert code == 2 and "KIND=BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG]" in err and "forward, dq, dkdv" in err
-    code, _, err = run_tool("bench.screening_sweep", "--blocks", "dq=32,16")
-    assert code == 2 and "'dq=32,16'" in err
 
 
 E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "bench_multiscreen_e2e.sh")
