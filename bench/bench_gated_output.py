@@ -1,15 +1,14 @@
 """Multiscreen's gated output projection, y = sum_head (tanh_norm(h) * tanh(silu(g)))_head @ w_head^T, on one GPU.
 
     python -m bench.bench_gated_output                       # Multiscreen-d16's micro-batch: 32 x 4096 tokens
-    python -m bench.bench_gated_output --sweep               # and the forward kernel's candidate blocks
     python -m bench.bench_gated_output --tokens 131072 --heads 24 --d-value 64 --d-model 576
 
 Two implementations, fwd and fwd+bwd, bf16, each under torch.compile as the model runs it: the reference (plain
 PyTorch: inductor's fused elementwise kernels and two cuBLAS matmuls, one more in the backward) and the op
 `ppt::gated_output` (gated_output_triton.py's forward kernel; its backward torch ops fused by inductor). Prints the
 device time of each (its kernels' own time by torch.profiler, over 10 calls) and the wall time of a call
-(triton.testing.do_bench, median), the error of each against float64 on a slice of the rows, and with --sweep the
-device time of the forward kernel at each candidate block.
+(triton.testing.do_bench, median), and the error of each against float64 on a slice of the rows. (`--sweep`, the
+forward kernel's candidate blocks, was removed at f6f05c4; run it from that commit.)
 """
 
 from __future__ import annotations
@@ -23,9 +22,6 @@ import torch
 from bench.common import kernel_times, median_ms, require_cuda
 from ppt.common import ArgumentParser, positive_int, run_cli
 
-FORWARD_CANDIDATES = [(32, 4, 2), (64, 4, 2), (64, 8, 1), (64, 8, 2), (64, 8, 3), (128, 8, 2), (128, 8, 3),
-                      (128, 16, 2)]  # fmt: skip
-
 
 def device_ms(fn: Callable[[], object]) -> float:
     """The device time of the kernels one call of fn launches, their own times summed (torch.profiler, 10 calls)."""
@@ -38,10 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=positive_int, default=16)
     p.add_argument("--d-value", type=positive_int, default=64)
     p.add_argument("--d-model", type=positive_int, default=256)
-    p.add_argument("--sweep", action="store_true", help="time the forward kernel at every candidate block")
     args = p.parse_args(argv)
     require_cuda("bench_gated_output")
-    from ppt.kernels import gated_output_triton as kernels
     from ppt.kernels.gated_output import gated_output, gated_output_reference
 
     torch.manual_seed(0)
@@ -73,23 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {device_ms(forward):.3f} | {device_ms(train):.3f} | {median_ms(forward):.3f} | "
               f"{median_ms(train):.3f} |")  # fmt: skip
 
-    if args.sweep:
-        print("\nforward blocks (BLOCK_T, warps, stages): device ms")
-        for blocks in FORWARD_CANDIDATES:
-            print(f"  {blocks}: {timed(partial(kernels.gated_output_forward, h, g, w, blocks))}")
-
 
 def fwd_bwd(fn: Callable, leaves: list[torch.Tensor], grad_y: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The op's forward and backward as training takes them: the gradients of fn(*leaves) for grad_y."""
     return torch.autograd.grad(fn(*leaves), leaves, grad_y)
-
-
-def timed(fn: object) -> str:
-    """device_ms of fn, or why it could not run (a block that needs more registers or shared memory than an SM has)."""
-    try:
-        return f"{device_ms(fn):.3f}"
-    except Exception as exc:  # noqa: BLE001  (a candidate's failure is reported, the sweep goes on)
-        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
 
 
 if __name__ == "__main__":

@@ -64,26 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("model")
     g.add_argument("--model-tag", help="a training run's --tag: the latest checkpoint in its record's out_dir")
     g.add_argument("--checkpoint", type=Path, help="a step_*.pt file (or a folder of them) instead of --model-tag")
-    g.add_argument(
-        "--hf-dir", type=Path, help="a Hugging Face Llama folder (config.json + safetensors) instead; needs --data-dir"
-    )
+    g.add_argument("--hf-dir", type=Path, help="a Hugging Face folder (config.json + safetensors); needs --data-dir")
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")
-    g.add_argument(
-        "--batch-size", type=positive_int, default=8, help="rows per forward, for bpb and lm-eval (default 8)"
-    )
-    g.add_argument(
-        "--compile",
-        choices=COMPILE_CHOICES,
-        default="auto",
-        help="torch.compile the bpb forward (auto: on CUDA); lm-eval's varying shapes always run eager",
-    )
+    g.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward, bpb and lm-eval (default 8)")
+    g.add_argument("--compile", choices=COMPILE_CHOICES, default="auto", help="compile the bpb pass (auto: on CUDA)")
     g = p.add_argument_group("bits per byte")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default: the run's data dir, else the default)")
-    g.add_argument(
-        "--eval-tokens",
-        type=token_count,
-        help=f"val tokens to score (default: the training run's --eval-tokens, else {DEFAULT_EVAL_TOKENS:,})",
-    )
+    g.add_argument("--eval-tokens", type=token_count, help="val tokens to score (default: as many as the run scored)")
     g.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the run's training seq len)")
     g = p.add_argument_group("benchmarks (lm-eval)")
     g.add_argument("--protocol", choices=["ppt", "mor"], default="ppt", help="task preset and shots (default ppt)")
@@ -94,12 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--skip-tasks", action="store_true", help="bits per byte only")
     g.add_argument("--demo-task", action="store_true", help="run only a local task built from the val split")
     g = p.add_argument_group("wandb")
-    g.add_argument(
-        "--no-wandb",
-        action="store_true",
-        help="do not log to the training run's wandb run (logged by default when its manifest names one and wandb is "
-        "installed)",
-    )
+    g.add_argument("--no-wandb", action="store_true", help="do not log the scores to the wandb run the record names")
     return p.parse_args(argv)
 
 

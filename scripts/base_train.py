@@ -144,11 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--decay-frac", type=Number(float, 0, 1), default=0.2, help="wsd: the last fraction of steps, decayed linearly"
     )
-    g.add_argument(
-        "--no-doc-masks",
-        action="store_true",
-        help="train on plain causal rows, ignoring document boundaries (to measure what the masks cost)",
-    )
+    g.add_argument("--no-doc-masks", action="store_true", help="plain causal rows, ignoring document boundaries")
     g.add_argument(
         "--doc-masks", dest="no_doc_masks", action="store_false", help="document masks (the default; undoes a recipe's)"
     )
@@ -188,17 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         help="torch.compile's mode for the training step (reduce-overhead: CUDA graphs)",
     )
-    g.add_argument(
-        "--loader-prefetch",
-        type=nonneg_int,
-        default=2,
-        help="batches a background thread builds ahead (0: built in the main thread, in next())",
-    )
-    g.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="deterministic kernels only (slower; an op without one stops the run): identical runs, identical losses",
-    )
+    g.add_argument("--loader-prefetch", type=nonneg_int, default=2, help="batches built ahead in a thread (0: none)")
+    g.add_argument("--deterministic", action="store_true", help="deterministic kernels only: bitwise repeatable runs")
     g.add_argument("--log-every", type=positive_int, default=1, help="steps between log lines and record entries")
     g.add_argument("--max-steps", type=positive_int, help="stop at this step, the LR schedule unchanged (benchmarks)")
     g.add_argument("--device", help="override the device (cpu, cuda, mps)")

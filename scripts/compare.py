@@ -399,20 +399,9 @@ def load_settings(runs: list[str | Path], allow_mismatch: bool) -> tuple[list[Se
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run tags (<cache>/reports/<tag>.json), manifest paths, or globs")
-    p.add_argument(
-        "--baseline", help="the setting the others are compared to: its label, config name or a run tag (default: "
-        "the first given)"
-    )  # fmt: skip
-    p.add_argument(
-        "--plot",
-        type=Path,
-        help="the plot file; a name without an extension gets .png (default <cache>/reports/compare.png)",
-    )
-    p.add_argument(
-        "--allow-mismatch",
-        action="store_true",
-        help="compare runs on another tokenizer, data, sequence length or eval token count; the table shows which",
-    )
+    p.add_argument("--baseline", help="the setting compared to: its label, config or a run's tag (default: the first)")
+    p.add_argument("--plot", type=Path, help="the plot file, .png if no suffix (default <cache>/reports/compare.png)")
+    p.add_argument("--allow-mismatch", action="store_true", help="compare across tokenizer, data, seq len, eval tokens")
     args = p.parse_args(argv)
     plot_path = plot_file(args.plot or cache_dir() / "reports" / "compare.png")
     settings, differing = load_settings(args.runs, args.allow_mismatch)
