@@ -802,7 +802,7 @@ def driver(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     def results() -> dict:
         proc.wait(timeout=300)
         assert proc.returncode == 0, (work / "driver.log").read_text()
-        return json.loads((work / "results.json").read_text())
+        return {**json.loads((work / "results.json").read_text()), "work": str(work), "data": str(demo_data_dir)}
 
     yield results
     proc.kill()
@@ -827,6 +827,45 @@ def test_bad_input_prints_one_error_line_and_exits_2(script, args, env, message,
     assert re.search(message, lines[-1]), result["stderr"]
     assert "Traceback" not in result["stderr"]
     assert result["new_files"] == [], "left behind"  # nothing written, nothing half-made
+
+
+def bad_input_table(results: dict) -> str:
+    """docs/bad-input.md from its key on: each BAD_INPUT case, its command and the last line it printed, with what
+    differs between runs and machines (temporary folders, pids, hosts, free memory, a permission error's wording)
+    replaced."""
+
+    def shown(text: str) -> str:
+        text = text.replace(results["work"] + "/", "").replace(results["data"], "<data>")
+        text = re.sub(r"pid \d+ on [^,]+,", "pid <pid> on <host>,", text)
+        text = re.sub(r"but [\d.]+ [KMGT]?B is free", "but <n> is free", text)
+        text = re.sub(r"\((Operation not permitted|Permission denied|Read-only file system)\)", "(<os error>)", text)
+        return "`` " + text.replace("|", r"\|") + " ``"
+
+    shared = {"base_train": TRAIN[2:], "prepare_fineweb": PREPARE}
+    key = "; ".join(f"{script} {shown(' '.join(args).format(**results))}" for script, args in shared.items())
+    rows = [f"`...` stands for the flags the cases of a script share: {key}.", "",
+            "| case (id) | command | what it prints |", "|---|---|---|"]  # fmt: skip
+    for case in BAD_INPUT:
+        script, args, env = case.values[:3]
+        args = " ".join(args)
+        for flags in shared.values():
+            args = args.replace(" ".join(flags), "...")
+        command = [*(f"{k}={v}" for k, v in env.items()), f"python -m scripts.{script}", args.format(**results)]
+        printed = [line for line in results["cases"][case.id]["stderr"].splitlines() if line.strip()][-1]
+        rows.append(f"| {case.id} | {shown(' '.join(command))} | {shown(printed)} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_docs_bad_input_table_states_every_case_with_its_message(driver):
+    doc = REPO_ROOT / "docs" / "bad-input.md"
+    text = doc.read_text()
+    expected = text[: text.index("`...` stands for")] + bad_input_table(driver())
+    if os.environ.get("PPT_WRITE_BAD_INPUT_TABLE"):
+        doc.write_text(expected)
+    assert doc.read_text() == expected, (
+        "docs/bad-input.md's table is out of date; rewrite it with "
+        "`PPT_WRITE_BAD_INPUT_TABLE=1 pytest tests/test_reliability.py -k table`"
+    )
 
 
 @pytest.mark.parametrize("script", entry_points(".py"))
