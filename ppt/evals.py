@@ -25,7 +25,6 @@ from __future__ import annotations
 import difflib
 import json
 import random
-import sys
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -336,12 +335,15 @@ class PPTLM(TemplateLM):
             return ids
         return [*self.prefix, *ids]
 
-    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        # bars only on a terminal: redrawn into a log, each is one endless line (so for lm-eval's tokenizing bar too)
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not sys.stderr.isatty())
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool | None = False) -> list[tuple[float, bool]]:
+        # tqdm's None: bars only on a terminal (redrawn into a log, each is one endless line), lm-eval's tokenizing too
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or None)
 
     def _loglikelihood_tokens(
-        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+        self,
+        requests: list[tuple[tuple[str, str], list[int], list[int]]],
+        disable_tqdm: bool | None = False,
+        **kwargs: Any,
     ) -> list[tuple[float, bool]]:
         windows = []
         for _, context, continuation in requests:
@@ -380,7 +382,9 @@ class PPTLM(TemplateLM):
         )
 
     @torch.no_grad()
-    def _score(self, windows: list[tuple[list[int], int]], desc: str, disable_tqdm: bool) -> list[tuple[float, bool]]:
+    def _score(
+        self, windows: list[tuple[list[int], int]], desc: str, disable_tqdm: bool | None
+    ) -> list[tuple[float, bool]]:
         """(log P(last n tokens | the tokens before them), whether each is the argmax) for each (tokens, n) window.
 
         Longest first, so batches pad little and an out-of-memory error comes at once; rows are right-padded with
@@ -388,7 +392,7 @@ class PPTLM(TemplateLM):
         """
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
         results: list[tuple[float, bool]] = [(0.0, True)] * len(windows)
-        bar = tqdm(total=len(windows), desc=desc, disable=disable_tqdm or self.rank != 0 or not sys.stderr.isatty())
+        bar = tqdm(total=len(windows), desc=desc, disable=True if disable_tqdm or self.rank != 0 else None)
         for start in range(0, len(order), self.batch_size):
             chunk = [i for i in order[start : start + self.batch_size] if windows[i][1] > 0]
             if chunk:

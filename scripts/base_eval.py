@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -274,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         if shortfall:
             warn0(shortfall)
         n_batches = -(-val.val_rows(budget) // args.batch_size)
-        quiet = not rt.is_master or not sys.stderr.isatty()  # a bar redrawn into a log is one endless line
+        quiet = None if rt.is_master else True  # tqdm's None: a bar only on a terminal, never redrawn into a log
         batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=quiet)
         bpb_model = maybe_compile(model, args.compile, rt.device)
         bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
