@@ -6,6 +6,8 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,23 +103,22 @@ def test_a_transformers_llama_imports_with_its_config_and_logits_and_exports_bac
 
 
 def test_a_tied_head_the_file_also_stores_is_accepted_as_transformers_loads_it(hf_llama, tmp_path):
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
     from ppt.model_io import ModelFile, load_run
 
     weights = load_file(hf_llama[0] / "model.safetensors")
-    for name, head, accepted in (("tied", 0, True), ("untied", 1, False)):
+    embedding = weights["model.embed_tokens.weight"]
+
+    def with_head(name: str, head: torch.Tensor) -> Path:
         folder = shutil.copytree(hf_llama[0], tmp_path / name)
-        extra = {"lm_head.weight": weights["model.embed_tokens.weight"] + head}
-        save_file({**weights, **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        if accepted:
-            run = load_run(hf_dir=folder, model_file=ModelFile.of(ppt.model))
-            assert torch.equal(run.state["model"]["embed.weight"], weights["model.embed_tokens.weight"])
-        else:
-            with pytest.raises(PPTError, match="lm_head.weight fit nowhere in it, and equal no weight that does"):
-                load_run(hf_dir=folder, model_file=ModelFile.of(ppt.model))
+        save_file({**weights, "lm_head.weight": head}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
+
+    run = load_run(hf_dir=with_head("tied", embedding.clone()), model_file=ModelFile.of(ppt.model))
+    assert torch.equal(run.state["model"]["embed.weight"], embedding)
+    with pytest.raises(PPTError, match="lm_head.weight fit nowhere in it, and equal no weight that does"):
+        load_run(hf_dir=with_head("untied", embedding + 1), model_file=ModelFile.of(ppt.model))
 
 
 def test_a_folder_whose_tokenizer_adds_no_bos_is_scored_as_hflm_scores_it(hf_llama):
