@@ -14,7 +14,7 @@ The grid file (TOML):
     baseline = "vanilla"              # the architecture the others are measured against
     sizes_per_budget = 3              # sizes trained at each budget, at least 3
     tokens_per_param = 20             # where the first sizes tried at a budget are centred (a prior, not a rule)
-    max_epochs = 4                    # no size trains more passes over the train split (about C / 6N tokens)
+    max_epochs = 4                    # no size trains more passes over the train split (see allowed_sizes)
     args = ["--seq-len", "1024"]      # flags every run gets
 
     [arch.vanilla]
@@ -240,6 +240,7 @@ class Study:
         self.archs = {a.name: a for a in grid.archs}
         self.params: dict[str, int] = {}  # config name -> parameters, filled by measure_sizes
         self.train_tokens = math.inf  # tokens of the train split, filled by measure_sizes
+        self.data_fingerprint: str | None = None  # of the data's tokens (ppt.shards), filled by measure_sizes
         self.decisions: dict[str, Any] = {"rates": {}, "sizes": {}}
         self.finished: dict[Run, RunRecord] = {}  # records of finished runs, read once
 
@@ -256,6 +257,12 @@ class Study:
             raise PPTError(
                 f"{path.parent} holds a run made by another command ({' '.join(record.argv)}); the grid changed "
                 "since it ran. Use another --out, or delete that run directory to rerun it"
+            )
+        if self.data_fingerprint not in (None, record.data["fingerprint"]):
+            raise PPTError(
+                f"{path.parent} trained on other tokens (data fingerprint {record.data['fingerprint'][:12]}) than "
+                f"{self.grid.data_dir} holds ({self.data_fingerprint[:12]}): prepare the data it used again (the "
+                "same documents and tokenizer) or use another --out"
             )
         if record.final_val:
             self.finished[run] = record
@@ -309,8 +316,14 @@ class Study:
                 return sizes, []
 
     def allowed_sizes(self, arch: Arch, budget: float) -> list[str]:
-        """The sizes that read at most max_epochs of the train split at this budget (about C / 6N tokens)."""
-        return [s for s in arch.sizes if budget / (6 * self.params[s]) <= self.grid.max_epochs * self.train_tokens]
+        """The sizes that read at most max_epochs of the train split at this budget."""
+        return [s for s in arch.sizes if self.tokens_at(s, budget) <= self.grid.max_epochs * self.train_tokens]
+
+    def tokens_at(self, size: str, budget: float) -> float:
+        """Tokens a run of the size reads at the budget: at the comparison FLOPs per token that a finished run of
+        the size realized (its attention and screening counted over real documents), else C / 6N."""
+        done = [rec for run, rec in self.finished.items() if run.size == size]
+        return budget * done[0].tokens / done[0].comparison_flops if done else budget / (6 * self.params[size])
 
     def prior_sizes(self, arch: Arch, budget: float) -> list[str]:
         """The sizes_per_budget sizes nearest, in log parameters, to where tokens_per_param puts the optimum:
@@ -380,10 +393,11 @@ class Study:
     def measure_sizes(self) -> None:
         """Parameters of every listed size at the data's vocabulary (built on meta: no memory, no time)."""
         from ppt.model import build_model, get_config
-        from ppt.shards import load_data_tokenizer, read_meta
+        from ppt.shards import dataset_fingerprint, load_data_tokenizer, read_meta
 
         vocab = load_data_tokenizer(self.grid.data_dir).vocab_size
         self.train_tokens = read_meta(self.grid.data_dir)["train"]["tokens"]
+        self.data_fingerprint = dataset_fingerprint(self.grid.data_dir)
         for arch in self.grid.archs:
             for size in arch.sizes:
                 with torch.device("meta"):
@@ -440,9 +454,15 @@ def train(study: Study, run: Run, deadline: float | None) -> str:
 
 
 def seconds_needed(study: Study, run: Run) -> float:
-    """A run's wall time, scaled from a finished run of the same size (budgets differ); 0 when there is none yet."""
-    done = [(r, rec) for r, rec in study.finished.items() if r.size == run.size and rec.train.target_flops]
-    return max((rec.wall_time_s * run.budget / rec.train.target_flops for _, rec in done), default=0.0)
+    """A run's wall time as the finished runs of its size predict it (the median): each one's time outside training
+    (compilation, evaluation) plus this run's tokens at its training speed; 0 when none has finished yet."""
+    estimates = []
+    for done, record in study.finished.items():
+        if done.size == run.size:
+            speed = statistics.median(h["tok_per_s"] for h in record.history if "tok_per_s" in h)
+            overhead = record.wall_time_s - record.tokens / speed
+            estimates.append(overhead + study.tokens_at(run.size, run.budget) / speed)
+    return statistics.median(estimates) if estimates else 0.0
 
 
 def execute(study: Study, deadline: float | None) -> bool:

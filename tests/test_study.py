@@ -10,7 +10,9 @@ import os
 import socket
 import textwrap
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from third_arch import GPT2Config
@@ -102,6 +104,23 @@ def test_sizes_start_at_the_prior_and_grow_past_a_best_at_an_edge():
     assert s.decisions["sizes"]["a 1e+14"] == ["a1", "a2", "a3", "a4"]  # prior 9.1e5: a1-a3, then a4
 
 
+def test_the_epoch_cap_counts_the_tokens_a_size_really_reads():
+    """max_epochs caps the passes over the train split: at C / 6N tokens before a size has run, then at the
+    comparison FLOPs per token a finished run of it realized (attention and screening make that more than 6N)."""
+    s = planned(table_grid([1e-3]), lambda run: 1.0)
+    s.train_tokens, s.grid.max_epochs = 1e6, 4.0
+    assert s.tokens_at("a1", 6e11) == pytest.approx(6e11 / (6 * 1e5))  # a1 has 1e5 parameters: 1e6 tokens
+    assert "a1" in s.allowed_sizes(s.archs["a"], 2.4e12) and "a1" not in s.allowed_sizes(s.archs["a"], 2.5e12)
+    ran = study.Run("a", "a1", 1e12, 1e-3, 0)
+    s.finished[ran] = SimpleNamespace(tokens=1e6, comparison_flops=1e12, wall_time_s=30.0,
+                                      history=[{"tok_per_s": 1e5}, {"tok_per_s": 1e5}])  # fmt: skip
+    assert s.tokens_at("a1", 2e12) == pytest.approx(2e6)  # 1e6 FLOPs a token, not 6e5
+    assert "a1" in s.allowed_sizes(s.archs["a"], 4e12) and "a1" not in s.allowed_sizes(s.archs["a"], 4.1e12)
+    # the run-time estimate: the finished run's 20 s outside training, plus the tokens at its speed
+    assert study.seconds_needed(s, replace(ran, budget=3e12)) == pytest.approx(20 + 3e6 / 1e5)
+    assert study.seconds_needed(s, replace(ran, size="a2")) == 0.0  # nothing of a2 has run: no estimate
+
+
 @pytest.fixture(scope="module")
 def finished_study(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     tmp = tmp_path_factory.mktemp("study")
@@ -148,6 +167,22 @@ def test_rerun_trains_nothing_and_a_changed_grid_is_refused(finished_study, tmp_
     changed.write_text(grid.read_text().replace('"--eval-tokens", "256"', '"--eval-tokens", "128"'))
     with pytest.raises(PPTError, match="another command"):
         study.main([str(changed), "--out", str(out)])
+
+
+def test_runs_on_other_tokens_are_refused(finished_study):
+    """A study's runs only pair up on the same tokens: a record made on other data (another tokenizer, other
+    documents) stops the study instead of joining its fits."""
+    grid, out, _ = finished_study
+    path = next((out / "runs").rglob("*.json"))
+    text = path.read_text()
+    record = json.loads(text)
+    record["data"]["fingerprint"] = "0" * 64
+    path.write_text(json.dumps(record))
+    try:
+        with pytest.raises(PPTError, match=r"other tokens \(data fingerprint 000000000000\) .*prepare the data it"):
+            study.main([str(grid), "--out", str(out), "--dry-run"])
+    finally:
+        path.write_text(text)
 
 
 def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_data_dir, tmp_path, capsys):
