@@ -65,7 +65,7 @@ class RunResult:
 @dataclass
 class Optimum:
     """One IsoFLOP fit: the optimum (size*, loss*), its position `at` in each unit (seconds None when not measured),
-    the (size, mean flops, mean loss) points it was fit to, and 95% intervals (None with one seed)."""
+    the points it was fit to (size, mean loss, {unit: mean x}), and 95% intervals (None with one seed)."""
 
     arch: str
     budget: float
@@ -73,7 +73,7 @@ class Optimum:
     loss: float
     at: dict[str, float | None]
     flags: list[str]
-    points: list[tuple[float, float, float]]
+    points: list[tuple[float, float, dict[str, float]]]
     size_interval: tuple[float, float] | None = None
     loss_interval: tuple[float, float] | None = None
 
@@ -202,7 +202,8 @@ def _optimum(arch: str, budget: float, cell: _Cell, weights: np.ndarray) -> Opti
     size, loss, flags = isoflop_minimum(cell.sizes, means[:, 0])
     lines = np.polyfit(np.log(cell.sizes), means[:, 1:], 1)  # (slope and intercept, unit)
     at = np.exp(lines[0] * math.log(size) + lines[1])
-    points = [(float(s), float(math.exp(f)), float(m)) for s, f, m in zip(cell.sizes, means[:, 1], means[:, 0])]
+    points = [(float(s), float(m[0]), {u: float(math.exp(x)) for u, x in zip(UNITS, m[1:])})
+              for s, m in zip(cell.sizes, means)]  # fmt: skip
     return Optimum(arch, budget, size, loss, {u: None if np.isnan(x) else float(x) for u, x in zip(UNITS, at)}, flags,
                    points)  # fmt: skip
 
@@ -275,27 +276,30 @@ def markdown(result: Verdict) -> str:
 
 
 def plot(result: Verdict, path: Path) -> None:
-    """Loss against comparison FLOPs (log x): each IsoFLOP fit's points (seed means per size), each architecture's
-    frontier through its optima, and with several seeds the optima's 95% loss intervals joined as a band."""
+    """Loss against comparison FLOPs, tokens and GPU-seconds (log x; the equal-compute, equal-token and equal-time
+    views): each IsoFLOP fit's points (seed means per size), each architecture's frontier through its optima, and
+    with several seeds the optima's 95% loss intervals joined as a band. A unit with no measurement is left out."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state; a Figure saves through Agg
 
-    fig = Figure(figsize=(8, 5))
-    ax = fig.add_subplot()
-    for arch in dict.fromkeys(o.arch for o in result.optima):
-        optima = sorted((o for o in result.optima if o.arch == arch), key=lambda o: o.at["flops"])
-        (line,) = ax.plot([o.at["flops"] for o in optima], [o.loss for o in optima], "o-", lw=1.5, label=arch)
-        points = [p for o in optima for p in o.points]
-        ax.scatter([p[1] for p in points], [p[2] for p in points], s=10, alpha=0.5, color=line.get_color())
-        if all(o.loss_interval for o in optima):
-            low, high = zip(*(o.loss_interval for o in optima))
-            ax.fill_between([o.at["flops"] for o in optima], low, high, color=line.get_color(), alpha=0.2)
-    ax.set_xscale("log")
-    ax.set_xlabel("comparison FLOPs")
-    ax.set_ylabel("val bits per byte")
-    ax.set_title("IsoFLOP points (seed means per size), the frontier through the optima, band: 95% interval of the "
+    units = [u for u in UNITS if all(o.at[u] is not None for o in result.optima)]
+    fig = Figure(figsize=(5 * len(units), 4.5))
+    for i, unit in enumerate(units):
+        ax = fig.add_subplot(1, len(units), i + 1, sharey=fig.axes[0] if i else None)
+        for arch in dict.fromkeys(o.arch for o in result.optima):
+            optima = sorted((o for o in result.optima if o.arch == arch), key=lambda o: o.at[unit])
+            (line,) = ax.plot([o.at[unit] for o in optima], [o.loss for o in optima], "o-", lw=1.5, label=arch)
+            points = [p for o in optima for p in o.points]
+            ax.scatter([p[2][unit] for p in points], [p[1] for p in points], s=10, alpha=0.5, color=line.get_color())
+            if all(o.loss_interval for o in optima):
+                low, high = zip(*(o.loss_interval for o in optima))
+                ax.fill_between([o.at[unit] for o in optima], low, high, color=line.get_color(), alpha=0.2)
+        ax.set_xscale("log")
+        ax.set_xlabel({"flops": "comparison FLOPs", "tokens": "training tokens", "seconds": "GPU-seconds"}[unit])
+        ax.grid(True, which="both", alpha=0.3)
+    fig.axes[0].set_ylabel("val bits per byte")
+    fig.axes[0].legend(fontsize=8)
+    fig.suptitle("IsoFLOP points (seed means per size), the frontier through the optima, band: 95% interval of the "
                  "optimum's loss", fontsize=9)  # fmt: skip
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

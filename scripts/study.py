@@ -34,13 +34,13 @@ How it decides, all from the runs finished so far, so that rerunning the same co
   run is also run again as it was (bitwise equal expected) and twice without --deterministic: the rerun floor.
 - The verdict (ppt/frontier.py): per architecture and budget, loss against log parameters as a parabola, its
   minimum the frontier point; B's multiplier at A's budget is the compute at which B's frontier reaches A's loss,
-  over A's compute, in comparison FLOPs, in tokens and in GPU-seconds (tokens over each run's median training
-  tokens/s, measured one run at a time), with intervals over the seeds.
+  over A's compute, in comparison FLOPs, in tokens and in GPU-seconds (a run's tokens over its size's median
+  training tokens/s in the grid's --compile-mode, runs one at a time), with intervals over the seeds.
 
 Runs train in this process, one at a time, each in <out>/runs/<name>/ with its record and a log in <out>/logs/.
 <out>/study.json records every decision; <out>/results.md the tables (each budget's runs as scripts.compare shows
 them, with the count baselines of the val tokens; the rates; the frontier points and the multipliers; the rerun
-floor), <out>/frontier.png the frontiers.
+floor), <out>/frontier.png the frontiers against FLOPs, tokens and GPU-seconds.
 """
 
 from __future__ import annotations
@@ -223,11 +223,11 @@ def run_argv(grid: Grid, run: Run, out: Path, deterministic: bool) -> list[str]:
     return flags + (["--deterministic"] if deterministic and not run.variant.startswith("-nondet") else [])
 
 
-def _without_compile_mode(argv: list[str]) -> list[str]:
-    """A run's flags but --compile-mode, which changes how kernels launch, not what they compute (CUDA graphs replay
-    the same kernels: bitwise equal runs, docs/benchmarks.md), so a study may change it midway."""
+def _compile_mode(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(--compile-mode's value, the other flags). The mode changes how kernels launch, not what they compute (CUDA
+    graphs replay the same kernels: bitwise equal runs, docs/benchmarks.md), so a study may change it midway."""
     at = argv.index("--compile-mode") if "--compile-mode" in argv else len(argv)
-    return argv[:at] + argv[at + 2 :]
+    return (argv[at + 1] if at < len(argv) else None), argv[:at] + argv[at + 2 :]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class Study:
         if run in self.finished or not path.is_file():
             return self.finished.get(run)
         record = RunRecord.load(path)
-        if _without_compile_mode(record.argv) != _without_compile_mode(self.argv(run)):
+        if _compile_mode(record.argv)[1] != _compile_mode(self.argv(run))[1]:
             raise PPTError(
                 f"{path.parent} holds a run made by another command ({' '.join(record.argv)}); the grid changed "
                 "since it ran. Use another --out, or delete that run directory to rerun it"
@@ -494,12 +494,20 @@ def execute(study: Study, deadline: float | None) -> bool:
 
 
 def run_results(study: Study) -> list[frontier.RunResult]:
+    """The verdict's runs. GPU-seconds: a run's tokens at its size's training speed, the median over the size's
+    finished runs made in the grid's --compile-mode (each alone on the GPU), so one mode times every size."""
+    mode = _compile_mode(study.grid.args)[0]
+    speeds: dict[str, list[float]] = {}
+    for run, record in study.finished.items():
+        if _compile_mode(record.argv)[0] == mode:
+            speeds.setdefault(run.size, []).append(statistics.median(h["tok_per_s"] for h in record.history
+                                                                     if "tok_per_s" in h))  # fmt: skip
     results = []
     for run in study.grid_runs():
         record = study.record(run)
-        speed = statistics.median(h["tok_per_s"] for h in record.history if "tok_per_s" in h)
+        seconds = record.tokens / statistics.median(speeds[run.size]) if run.size in speeds else None
         results.append(frontier.RunResult(run.arch, run.budget, record.params, run.seed, record.final_val.val_bpb,
-                                          record.comparison_flops, record.tokens, record.tokens / speed))  # fmt: skip
+                                          record.comparison_flops, record.tokens, seconds))  # fmt: skip
     return results
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import textwrap
 from collections.abc import Iterator
 from dataclasses import replace
@@ -119,6 +120,25 @@ def test_the_epoch_cap_counts_the_tokens_a_size_really_reads():
     # the run-time estimate: the finished run's 20 s outside training, plus the tokens at its speed
     assert study.seconds_needed(s, replace(ran, budget=3e12)) == pytest.approx(20 + 3e6 / 1e5)
     assert study.seconds_needed(s, replace(ran, size="a2")) == 0.0  # nothing of a2 has run: no estimate
+
+
+def test_gpu_seconds_time_every_size_at_its_speed_in_the_grid_s_compile_mode():
+    """The equal-time view: a run's tokens over its size's median training speed among runs made in the grid's
+    --compile-mode; a size timed only in another mode has no GPU-seconds rather than a slower mode's."""
+    s = planned(table_grid([1e-3]), lambda run: 1.0)
+    s.grid.args = ["--compile-mode", "reduce-overhead"]
+    for run in s.grid_runs():  # seed i runs at (i + 1) 1e5 tokens/s; b0 was only ever run in the default mode
+        mode, speed = ("default", 1.0) if run.size == "b0" else ("reduce-overhead", 1e5 * (1 + run.seed))
+        s.finished[run] = SimpleNamespace(
+            argv=["--compile-mode", mode], history=[{"tok_per_s": speed}, {"val_bpb": 1.0}], tokens=1e6,
+            params=s.params[run.size], final_val=SimpleNamespace(val_bpb=1.0), comparison_flops=1e12,
+        )  # fmt: skip
+    s.record = s.finished.get
+    seconds = {(r.arch, r.size, r.budget, r.seed): r.seconds for r in study.run_results(s)}
+    timed = 1e6 / statistics.median([1e5, 2e5])  # the size's seeds 0 and 1
+    assert seconds[("a", 1e4, 1e12, 0)] == seconds[("a", 1e4, 1e12, 1)] == pytest.approx(timed)
+    untimed = [x for (arch, size, _, _), x in seconds.items() if (arch, size) == ("b", 1e4)]
+    assert untimed and all(x is None for x in untimed)
 
 
 @pytest.fixture(scope="module")
