@@ -495,11 +495,11 @@ def execute(study: Study, deadline: float | None) -> bool:
 
 def run_results(study: Study) -> list[frontier.RunResult]:
     """The verdict's runs. GPU-seconds: a run's tokens at its size's training speed, the median over the size's
-    finished runs made in the grid's --compile-mode (each alone on the GPU), so one mode times every size."""
+    finished --deterministic runs made in the grid's --compile-mode (each alone on the GPU): one setting times all."""
     mode = _compile_mode(study.grid.args)[0]
     speeds: dict[str, list[float]] = {}
     for run, record in study.finished.items():
-        if _compile_mode(record.argv)[0] == mode:
+        if _compile_mode(record.argv)[0] == mode and not run.variant.startswith("-nondet"):
             speeds.setdefault(run.size, []).append(statistics.median(h["tok_per_s"] for h in record.history
                                                                      if "tok_per_s" in h))  # fmt: skip
     results = []
