@@ -99,10 +99,12 @@ def load_finished(path: Path) -> RunRecord:
 
 
 def setting_fields(record: RunRecord) -> dict[str, Any]:
-    """Everything that defines a run's setting: all but the seeds, the names and how it was launched."""
+    """Everything that defines a run's setting: all but the seeds, the names and how it was launched (and the step
+    counts a FLOPs budget sets, which vary with the documents of the first batch)."""
     train = record.train
     groups = [{k: g[k] for k in OPTIMIZER_KEYS if k in g} for g in train.optimizer_groups]
-    settings = {f.name: getattr(train, f.name) for f in fields(TrainSettings) if f.name not in NOT_SETTING}
+    derived = {"steps", "last_step", "warmup_steps"} if train.target_flops else set()
+    settings = {f.name: getattr(train, f.name) for f in fields(TrainSettings) if f.name not in NOT_SETTING | derived}
     return (
         {"config": record.config_name, **{f"config.{k}": v for k, v in record.config.items()}}
         | settings

@@ -66,8 +66,7 @@ from ppt.common import ArgumentParser, PPTError, atomic_file, positive_float, ru
 from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
 from ppt.run import RunRecord
-from scripts import base_train
-from scripts.compare import compare
+from scripts import base_train, compare
 
 # Flags the study sets itself for every run; a grid that passed them would make runs that are not what they say
 OWNED_FLAGS = ("--config", "--depth", "--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops",
@@ -528,6 +527,20 @@ def floor_text(study: Study) -> str:
     return "\n".join(lines)
 
 
+def budget_settings(study: Study, budget: float) -> list[compare.Setting]:
+    """The budget's grid runs as scripts.compare's settings, one per size (its seeds), labelled with the size's rate
+    and the passes its runs made over the train split."""
+    settings: dict[str, compare.Setting] = {}
+    for run in (r for r in study.grid_runs() if r.budget == budget):
+        record = study.record(run)
+        if run.size not in settings:
+            epochs = record.tokens / study.train_tokens
+            label = f"{run.size} (lr {run.lr:g}, {epochs:.2g} epochs)"
+            settings[run.size] = compare.Setting(label, compare.setting_fields(record) | {"arch": run.arch}, [])
+        settings[run.size].runs.append(record)
+    return list(settings.values())
+
+
 def write_results(study: Study, grid_path: Path) -> str:
     grid, out = study.grid, study.out
     first = study.record(study.grid_runs()[0])
@@ -551,11 +564,10 @@ def write_results(study: Study, grid_path: Path) -> str:
         text.append(f"| {key} | {rate['swept_at']:.3g} | {sweep} | {rate['lr']:g}{' (at an edge)' * rate['at_edge']} |")
     text += ["", "## The verdict\n", frontier.markdown(verdict), "", floor_text(study), ""]
     for budget in grid.budgets:
-        runs = [r for r in study.grid_runs() if r.budget == budget]
-        paths = [study.record_path(r) for r in runs]
-        base = next(r for r in runs if r.arch == grid.baseline)
-        table = compare(paths, baseline=f"{grid.name}-{base.name}", regimes=regimes)
-        text.append(f"## {budget:.3g} comparison FLOPs\n\n{table}\n")
+        settings = budget_settings(study, budget)
+        base = min((s for s in settings if s.fields["arch"] == grid.baseline), key=lambda s: statistics.fmean(
+            s.final("val_bpb")))  # fmt: skip
+        text.append(f"## {budget:.3g} comparison FLOPs\n\n{compare.table(settings, base, [], regimes)}\n")
     (out / "results.md").write_text("\n".join(text))
     return "\n".join(text)
 

@@ -204,6 +204,22 @@ def test_differences_across_budgets_and_unequal_realized_flops_are_called_out(tm
     assert "note: these settings trained at different budgets" in compare([same[0], other], baseline="vanilla")
 
 
+def test_seeds_of_one_flops_budget_are_one_setting_whatever_steps_it_became(tmp_path):
+    """A FLOPs budget becomes steps at the first batch's documents, which each data order draws differently: the
+    step counts it sets do not split a setting's seeds (a step count given by hand does)."""
+    budget = {"target_flops": 1.2e11, "target_tokens": 20_000}
+    paths = [
+        write_manifest(tmp_path, f"v{seed}", 1.1, data_seed=seed, model_seed=seed, **{"train.budget": budget},
+                       **{"train.steps": 20 + seed, "train.last_step": 20 + seed, "train.warmup_steps": 1 + seed})
+        for seed in range(2)
+    ]  # fmt: skip
+    assert rows(compare(paths))["vanilla"]["seeds"] == "2"
+    by_hand = [
+        write_manifest(tmp_path, f"h{steps}", 1.1, data_seed=steps, **{"train.steps": steps}) for steps in (20, 30)
+    ]
+    assert len(rows(compare(by_hand))) == 2
+
+
 def test_count_baselines_are_rows_and_runs_not_below_the_bigram_are_marked(tmp_path):
     paths = [write_manifest(tmp_path, "v", 1.2), write_manifest(tmp_path, "s", 1.0, config="screening")]
     table = rows(compare(paths, regimes={"unigram": 2.5, "bigram": 1.1}))

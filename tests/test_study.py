@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import textwrap
@@ -166,6 +167,9 @@ def test_miniature_study_trains_every_size_and_seed_and_states_a_verdict(finishe
         assert argv[argv.index("--seed") + 1] == name.split("-s")[-1][0]
         assert ("--deterministic" in argv) == ("nondet" not in name)
     assert "## 3e+09 comparison FLOPs" in results and "## 1e+10 comparison FLOPs" in results
+    for sizes in trained.values():  # each budget's table: a row a size holding both seeds, with its rate and epochs
+        for size in sizes:
+            assert len(re.findall(rf"^\| {size} \(lr [0-9.e-]+, [0-9.e+-]+ epochs\) \| 2 \|", results, re.M)) == 2
     assert "bitwise equal" in results and "two runs without --deterministic" in results
     assert "bigram (train-split counts)" in results and "multiplier" in results.lower()
     assert (out / "frontier.png").stat().st_size > 1000
