@@ -39,8 +39,9 @@ How it decides, all from the runs finished so far, so that rerunning the same co
 
 Runs train in this process, one at a time, each in <out>/runs/<name>/ with its record and a log in <out>/logs/.
 <out>/study.json records every decision; <out>/results.md the tables (each budget's runs as scripts.compare shows
-them, with the count baselines of the val tokens; the rates; the frontier points and the multipliers; the rerun
-floor), <out>/frontier.png the frontiers against FLOPs, tokens and GPU-seconds.
+them, with the count baselines of the val tokens; the rates; the frontier points and the multipliers; why a best
+size at an end of those trained has none past it; the rerun floor), <out>/frontier.png the frontiers against FLOPs,
+tokens and GPU-seconds.
 """
 
 from __future__ import annotations
@@ -536,9 +537,34 @@ def budget_settings(study: Study, budget: float) -> list[compare.Setting]:
         if run.size not in settings:
             epochs = record.tokens / study.train_tokens
             label = f"{run.size} (lr {run.lr:g}, {epochs:.2g} epochs)"
-            settings[run.size] = compare.Setting(label, compare.setting_fields(record) | {"arch": run.arch}, [])
+            fields = compare.setting_fields(record) | {"arch": run.arch, "size": run.size}
+            settings[run.size] = compare.Setting(label, fields, [])
         settings[run.size].runs.append(record)
     return list(settings.values())
+
+
+def edge_notes(study: Study) -> list[str]:
+    """Where a budget's best size (lowest mean val bpb) is at an end of the sizes it trained, why no size past it ran:
+    the grid lists none, or the epoch cap ruled it out (then the frontier point there is limited by the data)."""
+    notes = []
+    for arch in study.grid.archs:
+        for budget in study.grid.budgets:
+            sizes = study.decisions["sizes"][f"{arch.name} {budget:.3g}"]
+            settings = [s for s in budget_settings(study, budget) if s.fields["arch"] == arch.name]
+            best = min(settings, key=lambda s: statistics.fmean(s.final("val_bpb"))).fields["size"]
+            if best not in (sizes[0], sizes[-1]):
+                continue
+            end, step = ("smallest", -1) if best == sizes[0] else ("largest", 1)
+            where, past = f"- {arch.name} at {budget:.3g}: its best size {best} is the {end} trained", None
+            if 0 <= arch.sizes.index(best) + step < len(arch.sizes):
+                past = arch.sizes[arch.sizes.index(best) + step]
+            if past is None:
+                notes.append(f"{where}, and the grid lists none past it: the optimum may lie beyond; add sizes")
+            else:
+                epochs = study.tokens_at(past, budget) / study.train_tokens
+                notes.append(f"{where}; {past} would read {epochs:.2g} epochs, over max_epochs "
+                             f"{study.grid.max_epochs:g}: the frontier point there is limited by the data")  # fmt: skip
+    return notes
 
 
 def write_results(study: Study, grid_path: Path) -> str:
@@ -562,7 +588,7 @@ def write_results(study: Study, grid_path: Path) -> str:
     for key, rate in study.decisions["rates"].items():
         sweep = ", ".join(f"{float(lr):g}: {x:.4f}" for lr, x in rate["sweep"].items())
         text.append(f"| {key} | {rate['swept_at']:.3g} | {sweep} | {rate['lr']:g}{' (at an edge)' * rate['at_edge']} |")
-    text += ["", "## The verdict\n", frontier.markdown(verdict), "", floor_text(study), ""]
+    text += ["", "## The verdict\n", frontier.markdown(verdict), "", *edge_notes(study), "", floor_text(study), ""]
     for budget in grid.budgets:
         settings = budget_settings(study, budget)
         base = min((s for s in settings if s.fields["arch"] == grid.baseline), key=lambda s: statistics.fmean(
