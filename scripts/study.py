@@ -575,9 +575,12 @@ def write_results(study: Study, grid_path: Path) -> str:
     verdict = frontier.verdict(run_results(study), grid.baseline)
     frontier.plot(verdict, out / "frontier.png")
     hardware = first.hardware
+    sources = dict.fromkeys(f"{(r.git.get('commit') or '?')[:8]} (model source {r.model_source.get('sha256', '?')[:8]})"
+                            for r in map(study.record, study.grid_runs()))  # fmt: skip
+    commits = f"commit{'s' * (len(sources) > 1)} {', '.join(sources)}"
     text = [
         f"# {grid.name}\n",
-        f"`python -m scripts.study {grid_path}`; commit {first.git['commit']}; {hardware.get('gpu', 'CPU')}, torch "
+        f"`python -m scripts.study {grid_path}`; {commits}; {hardware.get('gpu', 'CPU')}, torch "
         f"{hardware['torch']}, triton {hardware.get('triton')}; data {grid.data_dir} (fingerprint "
         f"{first.data['fingerprint'][:12]}), tokenizer {first.tokenizer['name']}; "
         f"{'deterministic' if study.deterministic else 'not deterministic'}.\n",
