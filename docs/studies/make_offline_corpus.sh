@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The offline English corpus of docs/results.md, as JSONL ({"text": ...} per line), from two Debian packages: the
+# The offline English corpus of docs/results-2026-12-01.md, as JSONL ({"text": ...} per line), from two Debian packages: the
 # GCIDE dictionary (one document per 40 entries) and the Linux kernel's reStructuredText documentation (one document
 # per file); documents under 200 characters are dropped, and the order is shuffled with seed 0 (the val split is
 # the first documents, and the packages would otherwise put all of one kind first). About 68 MB, 6,640 documents.
