@@ -575,6 +575,7 @@ def write_results(study: Study, grid_path: Path) -> str:
     verdict = frontier.verdict(run_results(study), grid.baseline)
     frontier.plot(verdict, out / "frontier.png")
     hardware = first.hardware
+    walls = [r.wall_time_s for r in map(RunRecord.load, sorted(out.glob("runs/*/*.json"))) if r.final_val]
     sources = dict.fromkeys(f"{(r.git.get('commit') or '?')[:8]} (model source {r.model_source.get('sha256', '?')[:8]})"
                             for r in map(study.record, study.grid_runs()))  # fmt: skip
     commits = f"commit{'s' * (len(sources) > 1)} {', '.join(sources)}"
@@ -586,6 +587,8 @@ def write_results(study: Study, grid_path: Path) -> str:
         f"{'deterministic' if study.deterministic else 'not deterministic'}.\n",
         f"Count baselines of the val tokens (train-split counts): unigram {regimes['unigram']:.4f}, bigram "
         f"{regimes['bigram']:.4f} bpb.\n",
+        f"Run time: {len(walls)} finished runs in {out / 'runs'} (sweeps, floor and runs past the grid's included), "
+        f"{duration(sum(walls))} of run wall time, compilation and evaluation included.\n",
         "## Learning rates\n\n| architecture size | swept at | val bpb by rate | chosen |\n|---|---|---|---|",
     ]
     for key, rate in study.decisions["rates"].items():

@@ -162,6 +162,7 @@ def test_miniature_study_trains_every_size_and_seed_and_states_a_verdict(finishe
     assert len(record["rates"]) == 6  # one rate a size: given, not swept
     runs = sorted(p.name for p in (out / "runs").iterdir())
     assert len(runs) == 2 * 2 * 3 * 2 + 3  # archs x budgets x sizes x seeds, and the rerun floor's three
+    assert f"Run time: {len(runs)} finished runs in {out / 'runs'}" in results
     for name in runs:  # seed i is --seed i for every run: one data order and one initialization seed per i
         argv = json.loads(next((out / "runs" / name).glob("*.json")).read_text())["argv"]
         assert argv[argv.index("--seed") + 1] == name.split("-s")[-1][0]
