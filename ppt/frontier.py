@@ -18,7 +18,8 @@ The method, step by step (`verdict` does all of it):
    k = x_B(loss*_A(C)) / x*_A(C), where x_B(L) is the smallest x at which B's frontier reaches loss L.
    "B reaches A's frontier loss at k times A's compute" (k < 1: B is cheaper); in tokens it is the equal-token view,
    in seconds the equal-time view. A loss outside B's frontier is reached by extending B's first or last segment,
-   flagged "extrapolated"; when that segment does not fall there is no crossing and k is None. On a frontier convex
+   flagged "extrapolated"; when that segment does not fall there is no crossing and k is None. A k read on a segment
+   whose end is a flagged optimum of B carries that flag ("through 1e+15's unbracketed optimum"). On a frontier convex
    in ln x (as loss = E + A / x^a is) an extended first segment lies below the true frontier, so an extrapolated
    k < 1 there is too small: 0.57 for a true 0.6 on tests/test_frontier.py's Chinchilla-law study.
 4. Intervals: the jackknife over seeds. Steps 1-3 are redone n times, each with one seed left out of every
@@ -215,25 +216,31 @@ def _estimate(cells: dict, baseline: str, weights: np.ndarray) -> tuple[list[Opt
     for arch in sorted({o.arch for o in optima} - {baseline}):
         pair = [o for o in optima if o.arch in (arch, baseline)]
         for unit in [u for u in UNITS if all(o.at[u] is not None for o in pair)]:
-            frontier = sorted((math.log(o.at[unit]), o.loss) for o in pair if o.arch == arch)
+            optima_b = sorted((o for o in pair if o.arch == arch), key=lambda o: o.at[unit])
+            frontier = [(math.log(o.at[unit]), o.loss) for o in optima_b]
             for base in (o for o in pair if o.arch == baseline):
                 reached = _reach(frontier, base.loss)
                 k = None if reached is None else float(np.exp(reached[0])) / base.at[unit]  # np: inf, not raise
                 flags = [f"baseline {f}" for f in base.flags] + (["no crossing"] if reached is None else reached[1])
+                if reached is not None:  # the flags of the two optima of B whose segment it crossed
+                    flags += [f"through {o.budget:.3g}'s {f} optimum" for o in optima_b[reached[2] : reached[2] + 2]
+                              for f in o.flags]  # fmt: skip
                 multipliers.append(Multiplier(arch, base.budget, unit, k, flags))
     return optima, multipliers
 
 
-def _reach(frontier: list[tuple[float, float]], loss: float) -> tuple[float, list[str]] | None:
-    """(ln x, flags) where the piecewise-linear frontier [(ln x, loss), ...] first reaches `loss` (step 3)."""
+def _reach(frontier: list[tuple[float, float]], loss: float) -> tuple[float, list[str], int] | None:
+    """(ln x, flags, the segment's first point) where the piecewise-linear frontier [(ln x, loss), ...] first reaches
+    `loss` (step 3)."""
     segments = list(zip(frontier, frontier[1:]))
-    for (x0, y0), (x1, y1) in segments:
+    for i, ((x0, y0), (x1, y1)) in enumerate(segments):
         if y0 != y1 and (y0 - loss) * (y1 - loss) <= 0:
-            return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), []
-    (x0, y0), (x1, y1) = segments[0] if loss > max(y for _, y in frontier) else segments[-1]
+            return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), [], i
+    i = 0 if loss > max(y for _, y in frontier) else len(segments) - 1
+    (x0, y0), (x1, y1) = segments[i]
     if y1 >= y0 or x1 == x0:
         return None
-    return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), ["extrapolated"]
+    return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), ["extrapolated"], i
 
 
 def _jackknife(estimate: float, left_out: list[float], t: float) -> tuple[float, float]:

@@ -70,6 +70,21 @@ def test_multiplier_recovers_k_exactly_on_an_exact_law():
     assert [o.at["flops"] for o in a_optima] == pytest.approx(BUDGETS)
 
 
+def test_a_multiplier_read_through_an_unbracketed_optimum_says_so():
+    """b's smallest budget trained only sizes above its optimum: its vertex there is extrapolated, and so is every
+    multiplier whose crossing runs through that point (a's 2e15 loss, which b reaches between its 1e15 and 2e15)."""
+    runs = [r for r in study(exact_law, exact_optimal_size_log) if (r.arch, r.budget) != ("b", BUDGETS[0])]
+    budget = BUDGETS[0]
+    for size in np.exp(exact_optimal_size_log(budget / K) + np.array([0.3, 0.6, 0.9])):
+        tokens = budget / (6 * size)
+        runs.append(RunResult("b", budget, size, 0, exact_law(size, budget / K), budget, tokens, tokens / 2e6))
+    result = verdict(runs, baseline="a")
+    assert [o.flags for o in result.optima if o.arch == "b"] == [["unbracketed"], [], [], []]
+    flops = {m.budget: m for m in result.multipliers if m.unit == "flops"}
+    assert flops[2e15].k == pytest.approx(K) and flops[2e15].flags == ["through 1e+15's unbracketed optimum"]
+    assert flops[4e15].flags == []  # read between b's 2e15 and 4e15 optima
+
+
 def test_jackknife_intervals_of_a_seed_offset_are_the_t_intervals_of_the_per_seed_optima():
     """A shared seed offset moves each optimum's loss by exactly the seed mean of the offsets (a statistic linear in
     the seed means, whose jackknife interval is the t interval of the per-seed values) and cancels in k and size*."""
