@@ -614,8 +614,13 @@ def study_main(
     study = Study(grid, out, deterministic)
     study.measure_sizes()
     if dry_run:
-        for run in study.plan():
+        runs = study.plan()
+        for run in runs:
             print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
+        unknown = [r.name for r in runs if not seconds_needed(study, r)]
+        print(f"{len(runs)} runs called for now (finishing them may call for more); those of sizes already run take "
+              f"about {duration(sum(seconds_needed(study, r) for r in runs))} at their sizes' speeds"
+              + (f"; {len(unknown)} of sizes not run yet: no estimate" if unknown else ""))  # fmt: skip
         return 0
     lock_directory(out, "wait for the study using it, or pass another --out")  # makes `out`, or says why it cannot
     try:

@@ -221,6 +221,8 @@ def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_data_dir, tmp_pat
     assert study.main([str(write_grid(tmp_path, demo_data_dir)), "--out", str(out), "--dry-run"]) == 0
     printed = capsys.readouterr().out
     assert "gpt2-1x64-f3e+09-lr0.003-s0: python -m scripts.base_train" in printed and "--deterministic" in printed
+    planned_runs = printed.count(": python -m scripts.base_train")
+    assert f"{planned_runs} runs called for now" in printed and f"{planned_runs} of sizes not run yet" in printed
     assert not out.exists()
 
 
