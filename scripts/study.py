@@ -2,7 +2,7 @@
 verdict between them as a compute multiplier with a 95% interval over seeds.
 
     python -m scripts.study docs/studies/mixed.toml --out runs/mixed
-    python -m scripts.study GRID.toml --dry-run                # the runs the finished ones call for next; run nothing
+    python -m scripts.study GRID.toml --dry-run                # the runs called for next, and their time; run nothing
     python -m scripts.study GRID.toml --deadline 540           # start no run that would end later (a GPU lease)
 
 The grid file (TOML):
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="study directory (default runs/<grid name>)")
     p.add_argument("--data-dir", type=Path, help="prepared shards, instead of the grid's data_dir")
     p.add_argument("--no-deterministic", action="store_true", help="train without --deterministic (faster)")
-    p.add_argument("--dry-run", action="store_true", help="print the runs the finished ones call for; run nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the runs called for next and their time; run nothing")
     p.add_argument("--deadline", type=positive_float, help="seconds: start no run after this, stop one still going")
     args = p.parse_args(argv)
     out = args.out or Path("runs") / load_grid(args.grid).name
