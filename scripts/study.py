@@ -455,14 +455,17 @@ def train(study: Study, run: Run, deadline: float | None) -> str:
 
 def seconds_needed(study: Study, run: Run) -> float:
     """A run's wall time as the finished runs of its size predict it (the median): each one's time outside training
-    (compilation, evaluation) plus this run's tokens at its training speed; 0 when none has finished yet."""
-    estimates = []
+    (compilation, evaluation) plus this run's tokens at its training speed. A size not run yet: the median wall time
+    of its architecture's runs at this budget (equal FLOPs take roughly equal time); 0 when there are none."""
+    estimates, neighbours = [], []
     for done, record in study.finished.items():
         if done.size == run.size:
             speed = statistics.median(h["tok_per_s"] for h in record.history if "tok_per_s" in h)
             overhead = record.wall_time_s - record.tokens / speed
             estimates.append(overhead + study.tokens_at(run.size, run.budget) / speed)
-    return statistics.median(estimates) if estimates else 0.0
+        elif (done.arch, done.budget) == (run.arch, run.budget):
+            neighbours.append(record.wall_time_s)
+    return statistics.median(estimates or neighbours) if estimates or neighbours else 0.0
 
 
 def execute(study: Study, deadline: float | None) -> bool:
@@ -618,9 +621,9 @@ def study_main(
         for run in runs:
             print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
         unknown = [r.name for r in runs if not seconds_needed(study, r)]
-        print(f"{len(runs)} runs called for now (finishing them may call for more); those of sizes already run take "
-              f"about {duration(sum(seconds_needed(study, r) for r in runs))} at their sizes' speeds"
-              + (f"; {len(unknown)} of sizes not run yet: no estimate" if unknown else ""))  # fmt: skip
+        print(f"{len(runs)} runs called for now (finishing them may call for more), about "
+              f"{duration(sum(seconds_needed(study, r) for r in runs))} as the finished runs time them"
+              + (f"; {len(unknown)} with no estimate (nothing like them has run)" if unknown else ""))  # fmt: skip
         return 0
     lock_directory(out, "wait for the study using it, or pass another --out")  # makes `out`, or says why it cannot
     try:

@@ -120,7 +120,9 @@ def test_the_epoch_cap_counts_the_tokens_a_size_really_reads():
     assert "a1" in s.allowed_sizes(s.archs["a"], 4e12) and "a1" not in s.allowed_sizes(s.archs["a"], 4.1e12)
     # the run-time estimate: the finished run's 20 s outside training, plus the tokens at its speed
     assert study.seconds_needed(s, replace(ran, budget=3e12)) == pytest.approx(20 + 3e6 / 1e5)
-    assert study.seconds_needed(s, replace(ran, size="a2")) == 0.0  # nothing of a2 has run: no estimate
+    # a size not run yet: the wall time of its architecture's runs at the budget; another architecture's: none
+    assert study.seconds_needed(s, replace(ran, size="a2")) == 30.0
+    assert study.seconds_needed(s, replace(ran, arch="b", size="b1")) == 0.0
 
 
 def test_gpu_seconds_time_every_size_at_its_speed_in_the_grid_s_compile_mode():
@@ -222,7 +224,7 @@ def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_data_dir, tmp_pat
     printed = capsys.readouterr().out
     assert "gpt2-1x64-f3e+09-lr0.003-s0: python -m scripts.base_train" in printed and "--deterministic" in printed
     planned_runs = printed.count(": python -m scripts.base_train")
-    assert f"{planned_runs} runs called for now" in printed and f"{planned_runs} of sizes not run yet" in printed
+    assert f"{planned_runs} runs called for now" in printed and f"{planned_runs} with no estimate" in printed
     assert not out.exists()
 
 
