@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -137,6 +138,11 @@ class RunRecord:
     @property
     def seeds(self) -> tuple[int, int]:
         return self.train.data_seed, self.train.model_seed
+
+    def median_tok_per_s(self) -> float | None:
+        """The median of the logged steps' training speeds; None when no step logged one."""
+        speeds = [h["tok_per_s"] for h in self.history if "tok_per_s" in h]
+        return statistics.median(speeds) if speeds else None
 
     def benchmark_scores(self) -> dict[str, float]:
         """base_eval's lm-eval scores by task label, if it ran them."""

@@ -223,11 +223,6 @@ def _paired(setting: Setting, baseline: Setting) -> str:
     return "-" if pairs is None else f"{pairs[0]:+.4f} [{pairs[1]:+.4f}, {pairs[2]:+.4f}] ({pairs[3]} pairs)"
 
 
-def _median_tok_per_s(run: RunRecord) -> float | None:
-    speeds = [h["tok_per_s"] for h in run.history if "tok_per_s" in h]
-    return statistics.median(speeds) if speeds else None
-
-
 def pick_baseline(settings: list[Setting], baseline: str | None) -> Setting:
     """The setting named by label, config name (when one setting has it) or run tag; by default the first."""
     if baseline is None:
@@ -282,7 +277,7 @@ def table(
         flops = statistics.fmean(setting.final("comparison_flops"))
         reasons = {_rule_warning(r) for r in setting.runs} - {None}
         flagged += [f"{setting.label}: {sorted(reasons)[0]}"] if reasons else []
-        speeds = [s for s in (_median_tok_per_s(r) for r in setting.runs) if s is not None]
+        speeds = [s for s in (r.median_tok_per_s() for r in setting.runs) if s is not None]
         cells = [
             setting.label,
             str(len(setting.runs)),

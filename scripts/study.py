@@ -460,7 +460,7 @@ def seconds_needed(study: Study, run: Run) -> float:
     estimates, neighbours = [], []
     for done, record in study.finished.items():
         if done.size == run.size:
-            speed = statistics.median(h["tok_per_s"] for h in record.history if "tok_per_s" in h)
+            speed = record.median_tok_per_s()
             overhead = record.wall_time_s - record.tokens / speed
             estimates.append(overhead + study.tokens_at(run.size, run.budget) / speed)
         elif (done.arch, done.budget) == (run.arch, run.budget):
@@ -503,8 +503,7 @@ def run_results(study: Study) -> list[frontier.RunResult]:
     speeds: dict[str, list[float]] = {}
     for run, record in study.finished.items():
         if _compile_mode(record.argv)[0] == mode and not run.variant.startswith("-nondet"):
-            speeds.setdefault(run.size, []).append(statistics.median(h["tok_per_s"] for h in record.history
-                                                                     if "tok_per_s" in h))  # fmt: skip
+            speeds.setdefault(run.size, []).append(record.median_tok_per_s())
     results = []
     for run in study.grid_runs():
         record = study.record(run)
@@ -546,26 +545,29 @@ def budget_settings(study: Study, budget: float) -> list[compare.Setting]:
     return list(settings.values())
 
 
-def edge_notes(study: Study) -> list[str]:
-    """Where a budget's best size (lowest mean val bpb) is at an end of the sizes it trained, why no size past it ran:
-    the grid lists none, or the epoch cap ruled it out (then the frontier point there is limited by the data)."""
+def best_setting(settings: list[compare.Setting], arch: str) -> compare.Setting:
+    """The architecture's size with the lowest mean final val bpb among a budget's settings."""
+    return min((s for s in settings if s.fields["arch"] == arch), key=lambda s: statistics.fmean(s.final("val_bpb")))
+
+
+def edge_notes(study: Study, tables: dict[float, list[compare.Setting]]) -> list[str]:
+    """Where a budget's best size is at an end of the sizes it trained, why no size past it ran: the grid lists
+    none, or the epoch cap ruled it out (then the frontier point there is limited by the data)."""
     notes = []
     for arch in study.grid.archs:
-        for budget in study.grid.budgets:
+        for budget, settings in tables.items():
             sizes = study.decisions["sizes"][f"{arch.name} {budget:.3g}"]
-            settings = [s for s in budget_settings(study, budget) if s.fields["arch"] == arch.name]
-            best = min(settings, key=lambda s: statistics.fmean(s.final("val_bpb"))).fields["size"]
+            best = best_setting(settings, arch.name).fields["size"]
             if best not in (sizes[0], sizes[-1]):
                 continue
             end, step = ("smallest", -1) if best == sizes[0] else ("largest", 1)
-            where, past = f"- {arch.name} at {budget:.3g}: its best size {best} is the {end} trained", None
-            if 0 <= arch.sizes.index(best) + step < len(arch.sizes):
-                past = arch.sizes[arch.sizes.index(best) + step]
-            if past is None:
+            where = f"- {arch.name} at {budget:.3g}: its best size {best} is the {end} trained"
+            at = arch.sizes.index(best) + step
+            if not 0 <= at < len(arch.sizes):
                 notes.append(f"{where}, and the grid lists none past it: the optimum may lie beyond; add sizes")
             else:
-                epochs = study.tokens_at(past, budget) / study.train_tokens
-                notes.append(f"{where}; {past} would read {epochs:.2g} epochs, over max_epochs "
+                epochs = study.tokens_at(arch.sizes[at], budget) / study.train_tokens
+                notes.append(f"{where}; {arch.sizes[at]} would read {epochs:.2g} epochs, over max_epochs "
                              f"{study.grid.max_epochs:g}: the frontier point there is limited by the data")  # fmt: skip
     return notes
 
@@ -597,12 +599,12 @@ def write_results(study: Study, grid_path: Path) -> str:
     for key, rate in study.decisions["rates"].items():
         sweep = ", ".join(f"{float(lr):g}: {x:.4f}" for lr, x in rate["sweep"].items())
         text.append(f"| {key} | {rate['swept_at']:.3g} | {sweep} | {rate['lr']:g}{' (at an edge)' * rate['at_edge']} |")
-    text += ["", "## The verdict\n", frontier.markdown(verdict), "", *edge_notes(study), "", floor_text(study), ""]
-    for budget in grid.budgets:
-        settings = budget_settings(study, budget)
-        base = min((s for s in settings if s.fields["arch"] == grid.baseline), key=lambda s: statistics.fmean(
-            s.final("val_bpb")))  # fmt: skip
-        text.append(f"## {budget:.3g} comparison FLOPs\n\n{compare.table(settings, base, [], regimes)}\n")
+    tables = {budget: budget_settings(study, budget) for budget in grid.budgets}
+    text += ["", "## The verdict\n", frontier.markdown(verdict), "", *edge_notes(study, tables), ""]
+    text += [floor_text(study), ""]
+    for budget, settings in tables.items():
+        table = compare.table(settings, best_setting(settings, grid.baseline), [], regimes)
+        text.append(f"## {budget:.3g} comparison FLOPs\n\n{table}\n")
     (out / "results.md").write_text("\n".join(text))
     return "\n".join(text)
 
@@ -620,10 +622,10 @@ def study_main(
         runs = study.plan()
         for run in runs:
             print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
-        unknown = [r.name for r in runs if not seconds_needed(study, r)]
-        print(f"{len(runs)} runs called for now (finishing them may call for more), about "
-              f"{duration(sum(seconds_needed(study, r) for r in runs))} as the finished runs time them"
-              + (f"; {len(unknown)} with no estimate (nothing like them has run)" if unknown else ""))  # fmt: skip
+        seconds = [seconds_needed(study, r) for r in runs]
+        print(f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} as "
+              "the finished runs time them" + (f"; {seconds.count(0.0)} with no estimate (nothing like them has run)"
+                                               if 0.0 in seconds else ""))  # fmt: skip
         return 0
     lock_directory(out, "wait for the study using it, or pass another --out")  # makes `out`, or says why it cannot
     try:

@@ -22,6 +22,7 @@ from third_arch import GPT2Config
 import ppt.model
 from ppt import locks
 from ppt.common import PPTError
+from ppt.run import RunRecord
 from scripts import study
 
 SIZES = {  # added to model.py's CONFIGS while this module runs; FLOPs per token near those of model.py's d1-d3
@@ -106,6 +107,13 @@ def test_sizes_start_at_the_prior_and_grow_past_a_best_at_an_edge():
     assert s.decisions["sizes"]["a 1e+14"] == ["a1", "a2", "a3", "a4"]  # prior 9.1e5: a1-a3, then a4
 
 
+def fake_record(**fields: object) -> SimpleNamespace:
+    """A finished run's record reduced to the fields a test sets, with RunRecord's reading of its history."""
+    record = SimpleNamespace(**fields)
+    record.median_tok_per_s = lambda: RunRecord.median_tok_per_s(record)
+    return record
+
+
 def test_the_epoch_cap_counts_the_tokens_a_size_really_reads():
     """max_epochs caps the passes over the train split: at C / 6N tokens before a size has run, then at the
     comparison FLOPs per token a finished run of it realized (attention and screening make that more than 6N)."""
@@ -114,8 +122,8 @@ def test_the_epoch_cap_counts_the_tokens_a_size_really_reads():
     assert s.tokens_at("a1", 6e11) == pytest.approx(6e11 / (6 * 1e5))  # a1 has 1e5 parameters: 1e6 tokens
     assert "a1" in s.allowed_sizes(s.archs["a"], 2.4e12) and "a1" not in s.allowed_sizes(s.archs["a"], 2.5e12)
     ran = study.Run("a", "a1", 1e12, 1e-3, 0)
-    s.finished[ran] = SimpleNamespace(tokens=1e6, comparison_flops=1e12, wall_time_s=30.0,
-                                      history=[{"tok_per_s": 1e5}, {"tok_per_s": 1e5}])  # fmt: skip
+    s.finished[ran] = fake_record(tokens=1e6, comparison_flops=1e12, wall_time_s=30.0,
+                                  history=[{"tok_per_s": 1e5}, {"tok_per_s": 1e5}])  # fmt: skip
     assert s.tokens_at("a1", 2e12) == pytest.approx(2e6)  # 1e6 FLOPs a token, not 6e5
     assert "a1" in s.allowed_sizes(s.archs["a"], 4e12) and "a1" not in s.allowed_sizes(s.archs["a"], 4.1e12)
     # the run-time estimate: the finished run's 20 s outside training, plus the tokens at its speed
@@ -132,7 +140,7 @@ def test_gpu_seconds_time_every_size_at_its_speed_in_the_grid_s_compile_mode():
     s.grid.args = ["--compile-mode", "reduce-overhead"]
     for run in s.grid_runs():  # seed i runs at (i + 1) 1e5 tokens/s; b0 was only ever run in the default mode
         mode, speed = ("default", 1.0) if run.size == "b0" else ("reduce-overhead", 1e5 * (1 + run.seed))
-        s.finished[run] = SimpleNamespace(
+        s.finished[run] = fake_record(
             argv=["--compile-mode", mode], history=[{"tok_per_s": speed}, {"val_bpb": 1.0}], tokens=1e6,
             params=s.params[run.size], final_val=SimpleNamespace(val_bpb=1.0), comparison_flops=1e12,
         )  # fmt: skip
