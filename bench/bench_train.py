@@ -3,6 +3,8 @@
     python -m bench.bench_train --config smollm-360m --device-batch-size 16 --compile on,off
     python -m bench.bench_train --config multiscreen-d16 --seq-len 4096 --optimizer aurora --doc-masks on
     python -m bench.bench_train --config smollm-360m --steps 15 --profile    # and where the real step's time goes
+    python -m bench.bench_train --config d4,multiscreen-d11 --seq-len 1024 --device-batch-size 32 --vocab-size 8192
+                                  # architectures side by side: compare their comparison TFLOP/s (SPEC.md's rule)
 
 Each variant runs `scripts.base_train --benchmark` in a fresh process on a synthetic data directory (uniform random
 tokens, documents of exponentially distributed length separated by EOT, a byte-level vocabulary of the config's
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from bench.common import CommaList, launcher
 from ppt.common import COMPILE_CHOICES, ArgumentParser, Number, PPTError, positive_int, run_cli, token_count
-from ppt.model import DEFAULT_CONFIG
+from ppt.model import DEFAULT_CONFIG, get_config
 from ppt.optim import OPTIMIZERS
 from ppt.synthetic import write_synthetic_data
 
@@ -44,9 +46,19 @@ def run_variant(base_args: list[str], extra: list[str], nproc: int) -> tuple[dic
     return json.loads(lines[-1].removeprefix("benchmark ")), proc.stdout
 
 
+def config_names(text: str) -> list[str]:
+    """An argparse `type=` for a comma list of config names, each checked by ppt/model.py's get_config."""
+    try:
+        return [name for name in text.split(",") if get_config(name)]
+    except PPTError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"a config of ppt/model.py (default {DEFAULT_CONFIG})")
+    p.add_argument(
+        "--config", type=config_names, default=[DEFAULT_CONFIG], help=f"comma list (default {DEFAULT_CONFIG})"
+    )
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--device-batch-size", type=positive_int, default=16)
     p.add_argument("--total-batch-tokens", type=token_count, help="default: one device batch (no accumulation)")
@@ -75,17 +87,17 @@ def main(argv: list[str] | None = None) -> None:
         data_dir = Path(tmp) / "data"
         write_synthetic_data(data_dir, args.vocab_size, train_tokens, args.mean_doc_len, seed=0)
         base = [
-            "--config", args.config, "--data-dir", str(data_dir), "--seq-len", str(args.seq_len),
+            "--data-dir", str(data_dir), "--seq-len", str(args.seq_len),
             "--device-batch-size", str(args.device_batch_size), "--total-batch-tokens", str(total_batch),
             "--optimizer", args.optimizer, "--max-steps", str(args.steps), "--target-tokens", "1e12",
             "--out-dir", str(Path(tmp) / "out"), "--log-every", "5", *base_train_flags,
         ]  # fmt: skip
-        for compile_choice, masks in itertools.product(args.compile, args.doc_masks):
-            extra = ["--compile", compile_choice] + ([] if masks == "on" else ["--no-doc-masks"])
+        for config, compile_choice, masks in itertools.product(args.config, args.compile, args.doc_masks):
+            extra = ["--config", config, "--compile", compile_choice] + ([] if masks == "on" else ["--no-doc-masks"])
             extra += ["--profile"] if args.profile else []
             summary, stdout = run_variant(base, extra, args.nproc)
             result = {
-                "config": args.config,
+                "config": config,
                 "compile": compile_choice,
                 "doc_masks": masks,
                 "seq_len": args.seq_len,
@@ -99,13 +111,14 @@ def main(argv: list[str] | None = None) -> None:
             if args.profile:
                 print("\n".join(line for line in stdout.splitlines() if not line.startswith(("step ", "benchmark "))))
             print(format_row(result), flush=True)
-    print("\n| config | compile | doc masks | tok/s | MFU | MFU (6N) | step s | data | optimizer | peak GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| config | compile | doc masks | tok/s | comparison TFLOP/s | MFU | MFU (6N) | step s | data | optimizer "
+          "| peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in results:
         print(format_row(r))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
-    failed = [f"--compile {r['compile']} --doc-masks {r['doc_masks']}" for r in results if "error" in r]
+    failed = [f"--config {r['config']} --compile {r['compile']} --doc-masks {r['doc_masks']}" for r in results
+              if "error" in r]  # fmt: skip
     if failed:
         raise PPTError(f"{len(failed)} of {len(results)} variants failed ({'; '.join(failed)}); their output is above")
 
@@ -115,7 +128,8 @@ def format_row(r: dict) -> str:
         return f"| {r['config']} | {r['compile']} | {r['doc_masks']} | {r['error']} |"
     shares = [f"{100 * r[key]:.1f}%" if key in r else "-" for key in ("mfu", "mfu_6n", "data_share", "optimizer_share")]
     return (
-        f"| {r['config']} | {r['compile']} | {r['doc_masks']} | {r['tok_per_s']:,.0f} | {shares[0]} | {shares[1]} | "
+        f"| {r['config']} | {r['compile']} | {r['doc_masks']} | {r['tok_per_s']:,.0f} | {r['comparison_tflops']:.1f} | "
+        f"{shares[0]} | {shares[1]} | "
         f"{r['step_time_s']:.3f} | {shares[2]} | {shares[3]} | {r.get('peak_memory_gb', 0):.1f} |"
     )
 

@@ -844,6 +844,8 @@ class Measurement:
             "data_share": statistics.fmean(h["data_time"] for h in measured) / step_time,
             "optimizer_share": statistics.fmean(seconds for _, seconds in kept) / step_time,
         }
+        per_token = measured[-1]["comparison_flops"] / measured[-1]["tokens"]  # the rule's, over the run so far
+        summary |= {"comparison_flops_per_token": per_token, "comparison_tflops": per_token * tok_per_s / 1e12}
         if flops := trainer.mfu_flops:
             summary |= {"flops_per_token": flops["mfu"], "flops_per_token_6n": flops["6n"]}
             if trainer.peak:

@@ -23,6 +23,10 @@ def test_benchmark_mode_measures_without_touching_run_outputs(demo_data_dir, tmp
     summary = json.loads(capsys.readouterr().out.split("benchmark ", 1)[1])
     assert summary["steps_measured"] == 2 and summary["tok_per_s"] > 0
     assert 0 <= summary["data_share"] < 1 and 0 < summary["optimizer_share"] < 1
+    # the comparison rule's FLOPs (6N and the mixer's pairs) at the measured speed: what architectures compare by
+    per_token = summary["comparison_flops_per_token"]
+    assert per_token > summary["flops_per_token_6n"]
+    assert summary["comparison_tflops"] == pytest.approx(per_token * summary["tok_per_s"] / 1e12)
     assert json.loads(real_report.read_text())["from"] == "a real run"  # the benchmark wrote no manifest
     assert not list((tmp_path / "out").glob("step_*.pt"))  # and no checkpoint
 
@@ -98,6 +102,7 @@ def test_synthetic_phrases_repeat_a_small_phrase_book_and_uniform_tokens_do_not(
         ("--compile", "on,maybe", "argument --compile: 'maybe' (in the list 'on,maybe') is not one of auto, on, off"),
         ("--doc-masks", "maybe", "argument --doc-masks: 'maybe' is not one of on, off"),
         ("--steps", "5", "argument --steps: '5' is not an integer >= 6"),  # base_train measures after the first 5
+        ("--config", "d2,nope", "argument --config: unknown config 'nope'"),
     ],
 )
 def test_bench_train_refuses_a_bad_variant_before_running_any(run_tool, flag, value, message):
@@ -118,4 +123,21 @@ def test_bench_train_fails_when_a_variant_fails(run_tool):
     argv = f"--config {name} --seq-len {2 * get_config(name).max_seq_len} --device-batch-size 1 --steps 6".split()
     code, out, err = run_tool("bench.bench_train", *argv, *"--vocab-size 512 --compile off".split())
     assert code == 2 and f"| {name} | off | on | exit 2 |" in out.split("| config |")[-1]
-    assert err.splitlines()[-1] == "error: 1 of 1 variants failed (--compile off --doc-masks on); their output is above"
+    assert err.splitlines()[-1] == (
+        f"error: 1 of 1 variants failed (--config {name} --compile off --doc-masks on); their output is above"
+    )
+
+
+def test_bench_train_measures_architectures_side_by_side(run_tool, tmp_path):
+    import third_arch
+    from architectures import smallest_config_per_class
+
+    names = [name for name in smallest_config_per_class() if name not in third_arch.CONFIGS]  # child processes
+    argv = f"--config {','.join(names)} --seq-len 32 --device-batch-size 2 --steps 6 --vocab-size 512 --compile off"
+    code, out, err = run_tool("bench.bench_train", *argv.split(), "--out", str(tmp_path / "rows.json"))
+    assert code == 0, err
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["config"] for r in rows] == names
+    table = out.split("| config |")[-1]
+    for r in rows:
+        assert r["comparison_tflops"] > 0 and f"| {r['config']} | off | on | {r['tok_per_s']:,.0f} |" in table
