@@ -223,11 +223,23 @@ def run_argv(grid: Grid, run: Run, out: Path, deterministic: bool) -> list[str]:
     return flags + (["--deterministic"] if deterministic and not run.variant.startswith("-nondet") else [])
 
 
-def _compile_mode(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(--compile-mode's value, the other flags). The mode changes how kernels launch, not what they compute (CUDA
-    graphs replay the same kernels: bitwise equal runs, docs/benchmarks.md), so a study may change it midway."""
-    at = argv.index("--compile-mode") if "--compile-mode" in argv else len(argv)
-    return (argv[at + 1] if at < len(argv) else None), argv[:at] + argv[at + 2 :]
+# Flags that say where a run's files are and how its kernels launch, not what it computes: a study may change them
+# midway. --compile-mode: CUDA graphs replay the same kernels (bitwise equal runs, docs/benchmarks.md); --data-dir and
+# --out-dir: a study directory or its data may move (the data's identity is its fingerprint, checked apart).
+LAUNCH_FLAGS = ("--compile-mode", "--data-dir", "--out-dir")
+
+
+def _compile_mode(argv: list[str]) -> str | None:
+    return argv[argv.index("--compile-mode") + 1] if "--compile-mode" in argv else None
+
+
+def _computation(argv: list[str]) -> list[str]:
+    """The flags without LAUNCH_FLAGS and their values."""
+    kept, skip = [], False
+    for flag in argv:
+        kept += [] if skip or flag in LAUNCH_FLAGS else [flag]
+        skip = flag in LAUNCH_FLAGS
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -253,7 +265,7 @@ class Study:
         if run in self.finished or not path.is_file():
             return self.finished.get(run)
         record = RunRecord.load(path)
-        if _compile_mode(record.argv)[1] != _compile_mode(self.argv(run))[1]:
+        if _computation(record.argv) != _computation(self.argv(run)):
             raise PPTError(
                 f"{path.parent} holds a run made by another command ({' '.join(record.argv)}); the grid changed "
                 "since it ran. Use another --out, or delete that run directory to rerun it"
@@ -499,10 +511,10 @@ def execute(study: Study, deadline: float | None) -> bool:
 def run_results(study: Study) -> list[frontier.RunResult]:
     """The verdict's runs. GPU-seconds: a run's tokens at its size's training speed, the median over the size's
     finished --deterministic runs made in the grid's --compile-mode (each alone on the GPU): one setting times all."""
-    mode = _compile_mode(study.grid.args)[0]
+    mode = _compile_mode(study.grid.args)
     speeds: dict[str, list[float]] = {}
     for run, record in study.finished.items():
-        if _compile_mode(record.argv)[0] == mode and not run.variant.startswith("-nondet"):
+        if _compile_mode(record.argv) == mode and not run.variant.startswith("-nondet"):
             speeds.setdefault(run.size, []).append(record.median_tok_per_s())
     results = []
     for run in study.grid_runs():

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import statistics
 import textwrap
@@ -192,7 +193,7 @@ def test_miniature_study_trains_every_size_and_seed_and_states_a_verdict(finishe
     assert (out / "frontier.png").stat().st_size > 1000
 
 
-def test_rerun_trains_nothing_and_a_changed_grid_is_refused(finished_study, tmp_path, capsys):
+def test_rerun_trains_nothing_and_a_changed_grid_is_refused(finished_study, demo_data_dir, tmp_path, capsys):
     grid, out, _ = finished_study
     before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")}
     assert study.main([str(grid), "--out", str(out)]) == 0
@@ -203,6 +204,11 @@ def test_rerun_trains_nothing_and_a_changed_grid_is_refused(finished_study, tmp_
         grid.read_text().replace('args = ["--seq-len"', 'args = ["--compile-mode", "max-autotune", "--seq-len"')
     )
     assert study.main([str(launch), "--out", str(out), "--dry-run"]) == 0
+    assert ": python -m" not in capsys.readouterr().out
+    moved = tmp_path / "moved"  # nor where its files are: a study directory and its data may move
+    shutil.copytree(out, moved)
+    shutil.copytree(demo_data_dir, tmp_path / "data")
+    assert study.main([str(grid), "--out", str(moved), "--data-dir", str(tmp_path / "data"), "--dry-run"]) == 0
     assert ": python -m" not in capsys.readouterr().out
     changed = tmp_path / "changed.toml"
     changed.write_text(grid.read_text().replace('"--eval-tokens", "256"', '"--eval-tokens", "128"'))
