@@ -37,7 +37,8 @@ How it decides, all from the runs finished so far, so that rerunning the same co
   over A's compute, in comparison FLOPs, in tokens and in GPU-seconds (a run's tokens over its size's median
   training tokens/s in the grid's --compile-mode, runs one at a time), with intervals over the seeds.
 
-Runs train in this process, one at a time, each in <out>/runs/<name>/ with its record and a log in <out>/logs/.
+Runs train in this process, one at a time, each in <out>/runs/<name>/ with its record and a log in <out>/logs/; a
+study directory may move (a finished run stands wherever its data and output directory now are).
 <out>/study.json records every decision; <out>/results.md the tables (each budget's runs as scripts.compare shows
 them, with the count baselines of the val tokens; the rates; the frontier points and the multipliers; why a best
 size at an end of those trained has none past it; the rerun floor), <out>/frontier.png the frontiers against FLOPs,
