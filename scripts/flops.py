@@ -4,11 +4,13 @@ time (ppt/flops.py, ppt/roofline.py; docs/flops.md).
 
     python -m scripts.flops --config smollm-360m --device h100
     python -m scripts.flops --config multiscreen-d16 --seq-len 4096 --batch-size 1 --device h200
+    python -m scripts.flops --config multiscreen-d11 --vocab-size 8192 --batch-size 32 --seq-len 1024 --device h200
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
@@ -32,11 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=positive_int, help="the depth dial instead of a named config")
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the config's max_seq_len)")
+    parser.add_argument("--vocab-size", type=positive_int, help="a tokenizer's vocabulary instead of the config's")
     parser.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}, a CUDA device name, or cpu")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--duration-sec", type=positive_float, help="a measured step time: adds achieved utilization")
     args = parser.parse_args(argv)
     config = get_config(args.config, args.depth)
+    config = replace(config, vocab_size=args.vocab_size or config.vocab_size)
     with torch.device("meta"):
         model = build_model(config)
     if sum(p.numel() for p in model.parameters()) <= 100_000_000:

@@ -1,6 +1,7 @@
 """The analytic cost model: counts against closed forms and FlopCounterMode, formulas of custom ops, roofline math."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import third_arch
@@ -13,6 +14,7 @@ from ppt.common import PPTError
 from ppt.devices import DEVICES, find_device, peak_flops
 from ppt.flops import Cost, OpFormulas, cost, mfu_flops_per_token
 from ppt.formatting import duration, si
+from ppt.model import build_model, get_config
 from ppt.roofline import utilization
 from scripts.flops import main
 
@@ -248,8 +250,12 @@ def test_cli_prints_tables_and_rejects_bad_input(capsys):
     for expected in ("adjoint matmul", "FLOPs/token, MFU convention", "roofline knee", "blocks.fc_proj", "MFU <="):
         assert expected in out
     assert "over the pairs they need" in out and "NOT all" not in out and "warning" not in out
-    main(["--config", "gpt2-tiny", "--batch-size", "1", "--seq-len", "16", "--device", "cpu"])
-    assert "peak rates unknown" in capsys.readouterr().out
+    main(["--config", "gpt2-tiny", "--batch-size", "1", "--seq-len", "16", "--device", "cpu", "--vocab-size", "300"])
+    out = capsys.readouterr().out
+    assert "peak rates unknown" in out
+    with torch.device("meta"):  # the model traced is the config's at the tokenizer's vocabulary
+        model = build_model(replace(get_config("gpt2-tiny"), vocab_size=300))
+    assert f"params={sum(p.numel() for p in model.parameters())}," in out
     with pytest.raises(PPTError, match="unknown config 'no-such-config'"):
         main(["--config", "no-such-config"])
 
