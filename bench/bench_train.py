@@ -48,10 +48,13 @@ def run_variant(base_args: list[str], extra: list[str], nproc: int) -> tuple[dic
 
 def config_names(text: str) -> list[str]:
     """An argparse `type=` for a comma list of config names, each checked by ppt/model.py's get_config."""
+    names = text.split(",")
     try:
-        return [name for name in text.split(",") if get_config(name)]
+        for name in names:
+            get_config(name)  # an unknown name raises, listing the valid ones
     except PPTError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
 
 
 def main(argv: list[str] | None = None) -> None:
