@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ class ComparisonFlops:
     # saw the heads but not their reach, "heads_of_unknown_reach": [FLOPs per pair, heads per row] of one call)
     mixers: list[dict]
     untraced: str | None = None  # why the trace failed: then N is every parameter of 2+ dimensions and no mixer counts
+    trace: object = field(default=None, repr=False, compare=False)  # what `refreshed` replays (ppt.flops._Trace)
 
     def __post_init__(self) -> None:
         keys = np.arange(1, self.seq_len + 1, dtype=np.int64)  # keys a query at document position p has: p + 1
@@ -87,6 +88,17 @@ class ComparisonFlops:
         counts = np.ones(self.seq_len, dtype=np.int64) if doc_pos_counts is None else np.asarray(doc_pos_counts)
         return self.step_flops(counts) / int(counts.sum())
 
+    def refreshed(self, model: nn.Module, formulas: OpFormulas = NO_FORMULAS) -> ComparisonFlops:
+        """The rule at the model's current learned reaches (windows move as it trains): its trace's small-tensor ops and
+        pair formulas run again on the new values, in milliseconds where a new trace of the forward takes a fraction of
+        a second; the same rule as a new trace. A rule without a trace (one loaded from a checkpoint) traces anew."""
+        if self.trace is None:
+            return comparison_flops_rule(model, self.seq_len, formulas)
+        model = unwrap_model(model)
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())  # the names traced_step gave them
+        mixers = _counted_mixers(self.trace.replayed_mixers(tensors), self.seq_len)
+        return ComparisonFlops(self.seq_len, self.params_matmul, mixers, trace=self.trace)
+
     def state_dict(self) -> dict:
         """Plain JSON-able values: what checkpoints and manifests store."""
         state = {"seq_len": self.seq_len, "params_matmul": self.params_matmul, "mixers": self.mixers}
@@ -107,7 +119,8 @@ def comparison_flops_rule(model: nn.Module, seq_len: int, formulas: OpFormulas =
     except PPTError as exc:
         params = {id(p): p.numel() for p in model.parameters() if p.ndim >= 2}  # a shared (tied) tensor once
         return ComparisonFlops(seq_len, sum(params.values()), [], untraced=str(exc))
-    return ComparisonFlops(seq_len, round(trace.weight_flops / (2 * seq_len)), _counted_mixers(trace.mixers, seq_len))
+    weight_flops = round(trace.weight_flops / (2 * seq_len))
+    return ComparisonFlops(seq_len, weight_flops, _counted_mixers(trace.mixers, seq_len), trace=trace)
 
 
 def _counted_mixers(calls: list[MixerCall], seq_len: int) -> list[dict]:

@@ -166,7 +166,7 @@ class _Trace(TorchDispatchMode):
     matmul (the N of 6N), one whose operands all do a token mixer call. Small parameter-derived tensors keep real
     values beside their meta twins ("shadows"), so a cost formula sees, say, a learned per-head window."""
 
-    def __init__(self, params: list[torch.Tensor], shadows: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, params: list[torch.Tensor], shadows: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  autocast: torch.dtype | None, formulas: OpFormulas, rows: int) -> None:  # fmt: skip
         super().__init__()
         self.phase = "primal"
@@ -187,7 +187,12 @@ class _Trace(TorchDispatchMode):
         self._param_storages = {p.untyped_storage()._cdata for p in params}
         self.params_used: set[int] = set()
         self._batch_dependent = WeakIdKeyDictionary()
-        self._shadow = WeakIdKeyDictionary(dict(shadows))
+        self._shadow = WeakIdKeyDictionary(dict(shadows.values()))
+        # what `replayed_mixers` runs again: the shadowed tensors' names, the ops computing shadows in order, and the
+        # custom ops booked as token mixers (by index in `mixers`) with their arguments
+        self._sources = {name: twin for name, (twin, _) in shadows.items()}
+        self._shadow_ops: list[tuple] = []
+        self._mixer_ops: dict[int, tuple] = {}
 
     def mark_batch(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
@@ -235,13 +240,17 @@ class _Trace(TorchDispatchMode):
             self.mark_batch(*outputs)
             return
         if inputs and all(t in self._shadow for t in inputs) and all(t.numel() <= _SHADOW_MAX for t in outputs):
-            to_cpu = lambda x: torch.device("cpu") if isinstance(x, torch.device) else x
-            try:
-                real = func(*self._real(args), **tree_map(to_cpu, self._real(kwargs)))
-            except Exception:  # shadows only refine formulas; an op that will not replay just ends them
-                return
-            for meta_t, real_t in zip(outputs, _tensors(real)):
-                self._shadow[meta_t] = real_t
+            self._shadow_ops.append((func, args, kwargs, outputs))
+            self._compute_shadows(func, args, kwargs, outputs)
+
+    def _compute_shadows(self, func, args, kwargs, outputs) -> None:  # noqa: ANN001
+        to_cpu = lambda x: torch.device("cpu") if isinstance(x, torch.device) else x
+        try:
+            real = func(*self._real(args), **tree_map(to_cpu, self._real(kwargs)))
+        except Exception:  # shadows only refine formulas; an op that will not replay just ends them
+            return
+        for meta_t, real_t in zip(outputs, _tensors(real)):
+            self._shadow[meta_t] = real_t
 
     def _real(self, tree: object) -> object:
         """`tree` with every tensor that has a shadow replaced by its shadow: real values where they are known."""
@@ -321,29 +330,51 @@ class _Trace(TorchDispatchMode):
 
     def _book_custom(self, func, args, kwargs, out, inputs, outputs) -> None:  # noqa: ANN001
         dtype = _compute_dtype(inputs, outputs)
-        result = self._apply(self.formulas.cost, func, args, kwargs)
-        if result is not None:
-            flops, total_bytes = _parse_formula_result(func, result)
-        elif func.overloadpacket in flop_registry:
-            flops, total_bytes = {"matmul": flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)}, None
-        else:
-            raise PPTError(
-                f"custom op {func.name()} has no cost formula, so its work would count as zero: add "
-                f"`torch.ops.{func.namespace}.{func._opname}: its_cost` to the cost formulas of OP_FORMULAS in "
-                "ppt/model.py, its_cost(*op_args) returning {'flops': ..., 'bytes': ...} (docs/flops.md)"
-            )
-        matmul = flops.get("matmul", 0)
-        mixes = self._mixes(matmul, inputs)
-        heads = self._apply(self.formulas.pairs, func, args, kwargs) if self.phase == "primal" else None
+        flops, total_bytes = self._custom_cost(func, args, kwargs, out)
+        mixes = self._mixes(flops.get("matmul", 0), inputs)
+        heads = self._heads(func, args, kwargs) if self.phase == "primal" else None
         if mixes or heads is not None:
-            checked = None if heads is None else _checked_heads(f"the pair formula of {func.name()}", heads)
-            self.book_mixer(matmul if mixes else 0.0, checked)
+            self._mixer_ops[len(self.mixers)] = (func, args, kwargs, out, mixes)
+            self.book_mixer(flops.get("matmul", 0) if mixes else 0.0, heads)
         main_class = max(flops, key=flops.get)  # operand bytes go with the class that does most of the work
         for op_class, n in flops.items():
             if op_class == main_class:
                 self.record(op_class, n, dtype, [] if total_bytes is not None else inputs + outputs, total_bytes)
             else:
                 self.record(op_class, n, dtype, [])
+
+    def _custom_cost(self, func, args, kwargs, out) -> tuple[dict[str, float], float | None]:  # noqa: ANN001
+        result = self._apply(self.formulas.cost, func, args, kwargs)
+        if result is not None:
+            return _parse_formula_result(func, result)
+        if func.overloadpacket in flop_registry:
+            return {"matmul": flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)}, None
+        raise PPTError(
+            f"custom op {func.name()} has no cost formula, so its work would count as zero: add "
+            f"`torch.ops.{func.namespace}.{func._opname}: its_cost` to the cost formulas of OP_FORMULAS in "
+            "ppt/model.py, its_cost(*op_args) returning {'flops': ..., 'bytes': ...} (docs/flops.md)"
+        )
+
+    def _heads(self, func, args, kwargs) -> list[tuple[float, float]] | None:  # noqa: ANN001
+        heads = self._apply(self.formulas.pairs, func, args, kwargs)
+        return None if heads is None else _checked_heads(f"the pair formula of {func.name()}", heads)
+
+    def replayed_mixers(self, tensors: Mapping[str, torch.Tensor]) -> list[MixerCall]:
+        """`mixers` for new values of the traced model's tensors (name -> tensor, e.g. after training steps): the ops
+        that computed shadows and the custom mixers' formulas run again on them, without tracing the forward. The
+        same as a new trace for a forward whose ops depend on nothing but its parameters, buffers and inputs."""
+        used = {id(t) for op in self._shadow_ops + list(self._mixer_ops.values()) for t in _tensors(op[1:3])}
+        self._shadow = WeakIdKeyDictionary(
+            {twin: tensors[name].detach().cpu() for name, twin in self._sources.items() if id(twin) in used}
+        )
+        for op in self._shadow_ops:
+            self._compute_shadows(*op)
+        mixers = list(self.mixers)
+        for index, (func, args, kwargs, out, mixes) in self._mixer_ops.items():
+            flops = self._custom_cost(func, args, kwargs, out)[0].get("matmul", 0) if mixes else 0.0
+            heads = self._heads(func, args, kwargs)
+            mixers[index] = mixers[index]._replace(flops_per_row=flops / self.rows, heads=heads)
+        return mixers
 
     def _apply(self, formulas: Mapping[object, Callable[..., object]], func, args, kwargs) -> object:  # noqa: ANN001
         """What the formula for a custom op (under the op, its packet or its "namespace::name") gives for this call,
@@ -545,11 +576,11 @@ def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dt
     originals = dict(model.named_parameters()) | dict(model.named_buffers())
     twins = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in originals.items()}
     twins |= {name: nn.Parameter(twins[name], requires_grad=p.requires_grad) for name, p in model.named_parameters()}
-    shadows = [
-        (twins[name], t.detach().cpu())
+    shadows = {
+        name: (twins[name], t.detach().cpu())
         for name, t in originals.items()
         if t.device.type != "meta" and t.numel() <= _SHADOW_MAX
-    ]
+    }
     params = [twins[name] for name, _ in model.named_parameters()]
     trace = _Trace(params, shadows, dtype if dtype.itemsize < 4 else None, formulas, rows=batch_size)
     idx = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")

@@ -91,9 +91,9 @@ RECIPES: dict[str, dict[str, Any]] = {
         "no_doc_masks": True,
     },
 }
-# The comparison-FLOPs rule is traced again every this many steps (learned windows move), on a schedule that does not
+# The comparison-FLOPs rule is refreshed every this many steps (learned windows move), on a schedule that does not
 # depend on --log-every or on where a run was resumed, so an interrupted run counts what an uninterrupted one does.
-RULE_RETRACE_STEPS = 50
+RULE_REFRESH_STEPS = 50
 # A config field of this name, if the config has one, is set to the training row length (SPEC.md, the model contract).
 TRAIN_LENGTH_FIELD = "train_seq_len"
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay the step from CUDA graphs
@@ -601,9 +601,9 @@ class Trainer:
             if self.stop_signal and not self.rt.distributed:  # a lone process stops before it starts another step
                 self.stopping = self.stop_signal[0]
                 break
-            if self.step % RULE_RETRACE_STEPS == 0 and self.step != self.rule_step:  # learned windows move
-                self.rule, self.rule_step = comparison_flops_rule(self.model, self.seq_len, OP_FORMULAS), self.step
-                self.last_sync = time.perf_counter()  # the trace's time is not the step's
+            if self.step % RULE_REFRESH_STEPS == 0 and self.step != self.rule_step:  # learned windows move
+                self.rule, self.rule_step = self.rule.refreshed(self.model, OP_FORMULAS), self.step
+                self.last_sync = time.perf_counter()  # the refresh's time is not the step's
             set_lr(self.optimizer, lr_multiplier(self.step, s.steps, s.warmup_steps, s.schedule, s.decay_frac))
             loss, norm, finite, counts, data_time = self.forward_backward()
             now = time.perf_counter()

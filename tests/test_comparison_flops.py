@@ -1,6 +1,6 @@
 """The comparison-FLOPs rule: against a brute-force count of needed pairs for a grouped-query decoder, the loader's
 document-position counts, mixers without a pair formula, and exact counts through a training run. (Multiscreen's
-learned windows, and a resumed run that retraces them, are tests/test_model.py's.)"""
+learned windows, and a resumed run that refreshes the rule, are tests/test_model.py's.)"""
 
 from __future__ import annotations
 
@@ -183,11 +183,17 @@ def test_a_new_mixer_counts_through_the_pair_formula_handed_to_the_rule():
         cost={torch.ops.ppt_test.window_mix: lambda x, window: {"flops": 0, "bytes": 0}},
         pairs={torch.ops.ppt_test.window_mix: lambda x, window: [(10, math.ceil(w)) for w in window.tolist()]},
     )
-    rule = comparison_flops_rule(WindowMixLM(), 8, formulas)
+    model = WindowMixLM()
+    rule = comparison_flops_rule(model, 8, formulas)
     doc_pos = np.array([[0, 1, 2, 3, 0, 1, 2, 3]])
     counts = np.bincount(doc_pos.ravel(), minlength=8)
     assert rule.step_flops(counts) == brute_force(doc_pos, 64 * 16, [(10, 3), (10, 4)])
     assert rule.warning() is None
+    with torch.no_grad():  # trained: windows 2 and 5, computed from the parameter by the ops the trace recorded
+        model.log_window.copy_(torch.tensor([0.0, math.log(4.0)]))
+    refreshed = rule.refreshed(model, formulas)
+    assert refreshed.step_flops(counts) == brute_force(doc_pos, 64 * 16, [(10, 2), (10, 5)])
+    assert refreshed == comparison_flops_rule(model, 8, formulas)
 
 
 class SlidingWindowLM(EinsumAttentionLM):

@@ -351,16 +351,18 @@ def test_multiscreen_counts_in_window_in_document_pairs_at_the_windows_current_v
     moved = comparison_flops_rule(model, 48, OP_FORMULAS)
     assert moved.step_flops(counts) == brute_force(doc_pos, matmul_params(model), heads())
     assert moved.step_flops(counts) != rule.step_flops(counts)
-    assert ComparisonFlops.from_state_dict(json.loads(json.dumps(moved.state_dict()))) == moved  # checkpoints
+    assert rule.refreshed(model, OP_FORMULAS) == moved  # the training loop's refresh: the first trace replayed
+    loaded = ComparisonFlops.from_state_dict(json.loads(json.dumps(moved.state_dict())))  # checkpoints
+    assert loaded == moved and loaded.refreshed(model, OP_FORMULAS) == moved  # no trace to replay: a new one
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_an_interrupted_multiscreen_run_counts_exactly_what_the_whole_run_counts(short_docs, tmp_path, monkeypatch):
-    """The windows are learned, so the rule is traced again on a fixed schedule (every 2 steps here): a run stopped
-    between two traces resumes with the rule its checkpoint holds."""
+    """The windows are learned, so the rule is refreshed on a fixed schedule (every 2 steps here): a run stopped
+    between two refreshes resumes with the rule its checkpoint holds."""
     from scripts import base_train
 
-    monkeypatch.setattr(base_train, "RULE_RETRACE_STEPS", 2)
+    monkeypatch.setattr(base_train, "RULE_REFRESH_STEPS", 2)
     fast = ("--lr", "0.05")  # windows move within these few steps
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     base_train.main(run_argv(short_docs, whole, "multiscreen-tiny", *fast))
