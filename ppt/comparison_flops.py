@@ -119,8 +119,8 @@ def comparison_flops_rule(model: nn.Module, seq_len: int, formulas: OpFormulas =
     except PPTError as exc:
         params = {id(p): p.numel() for p in model.parameters() if p.ndim >= 2}  # a shared (tied) tensor once
         return ComparisonFlops(seq_len, sum(params.values()), [], untraced=str(exc))
-    weight_flops = round(trace.weight_flops / (2 * seq_len))
-    return ComparisonFlops(seq_len, weight_flops, _counted_mixers(trace.mixers, seq_len), trace=trace)
+    params_matmul = round(trace.weight_flops / (2 * seq_len))
+    return ComparisonFlops(seq_len, params_matmul, _counted_mixers(trace.mixers, seq_len), trace=trace)
 
 
 def _counted_mixers(calls: list[MixerCall], seq_len: int) -> list[dict]:
