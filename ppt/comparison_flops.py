@@ -94,9 +94,7 @@ class ComparisonFlops:
         a second; the same rule as a new trace. A rule without a trace (one loaded from a checkpoint) traces anew."""
         if self.trace is None:
             return comparison_flops_rule(model, self.seq_len, formulas)
-        model = unwrap_model(model)
-        tensors = dict(model.named_parameters()) | dict(model.named_buffers())  # the names traced_step gave them
-        mixers = _counted_mixers(self.trace.replayed_mixers(tensors), self.seq_len)
+        mixers = _counted_mixers(self.trace.replayed_mixers(unwrap_model(model)), self.seq_len)
         return ComparisonFlops(self.seq_len, self.params_matmul, mixers, trace=self.trace)
 
     def state_dict(self) -> dict:

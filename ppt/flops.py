@@ -359,10 +359,11 @@ class _Trace(TorchDispatchMode):
         heads = self._apply(self.formulas.pairs, func, args, kwargs)
         return None if heads is None else _checked_heads(f"the pair formula of {func.name()}", heads)
 
-    def replayed_mixers(self, tensors: Mapping[str, torch.Tensor]) -> list[MixerCall]:
-        """`mixers` for new values of the traced model's tensors (name -> tensor, e.g. after training steps): the ops
-        that computed shadows and the custom mixers' formulas run again on them, without tracing the forward. The
-        same as a new trace for a forward whose ops depend on nothing but its parameters, buffers and inputs."""
+    def replayed_mixers(self, model: nn.Module) -> list[MixerCall]:
+        """`mixers` for the traced model's current values (after training steps, say): the ops that computed shadows
+        and the custom mixers' formulas run again on them, without tracing the forward. The same as a new trace for a
+        forward whose ops depend on nothing but its parameters, buffers and inputs."""
+        tensors = _named_tensors(model)
         used = {id(t) for op in self._shadow_ops + list(self._mixer_ops.values()) for t in _tensors(op[1:3])}
         self._shadow = WeakIdKeyDictionary(
             {twin: tensors[name].detach().cpu() for name, twin in self._sources.items() if id(twin) in used}
@@ -570,10 +571,15 @@ def declare_token_mixer(heads: list[tuple[float, float]]) -> None:
         handle_torch_function(declare_token_mixer, (), heads)
 
 
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model's parameters and buffers by name: what a trace shadows and a replay reads again."""
+    return dict(model.named_parameters()) | dict(model.named_buffers())
+
+
 def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, backward: bool,
                 formulas: OpFormulas) -> _Trace:  # fmt: skip
     """Run `model` on meta twins of its tensors under a _Trace: the forward, and the backward when asked."""
-    originals = dict(model.named_parameters()) | dict(model.named_buffers())
+    originals = _named_tensors(model)
     twins = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in originals.items()}
     twins |= {name: nn.Parameter(twins[name], requires_grad=p.requires_grad) for name, p in model.named_parameters()}
     shadows = {
