@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import BinaryIO, NoReturn
 
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -115,6 +116,10 @@ def init_runtime(device: str | None = None) -> Runtime:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = checked_device(device) if device else autodetect_device()
+    # AOTAutograd's cache passes over any graph holding a custom autograd.Function (the training loss is one) unless
+    # allowed; such a Function is traced into the graph whole, so the cache key covers it, and a warm cache then spares
+    # each new process (every run of a study) the joint trace and the partition
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)

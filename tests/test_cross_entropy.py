@@ -165,3 +165,23 @@ def test_cuda_matches_float64_reference(dtype, tol):
     for leaf, ref in zip(leaves, ref_grads):
         err = (leaf.grad.cpu().double() - ref).abs().max() / ref.abs().max()
         assert torch.isfinite(leaf.grad).all() and err <= tol, f"{err:.2e}"
+
+
+def test_a_second_process_takes_the_compiled_loss_from_aotautograds_cache():
+    """linear_cross_entropy is a custom autograd.Function, which AOTAutograd's cache passes over unless the runtime
+    lets it in: then a run after the first (a study's next run, a relaunch) skips the joint trace and the partition."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from ppt.common import init_runtime
+
+    init_runtime("cpu")
+    x, w, targets = case(dtype=torch.float32)
+    x.requires_grad_()
+    with fresh_cache():
+        for process in ("first", "second"):
+            torch._dynamo.reset()  # what a new process starts from, the on-disk caches aside
+            counters.clear()
+            torch.compile(linear_cross_entropy)(x, w, targets).backward()
+            assert counters["aot_autograd"].get("autograd_cache_bypass", 0) == 0, process
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
