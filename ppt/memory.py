@@ -52,12 +52,14 @@ def available_bytes(device: torch.device) -> int | None:
         found = re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text())
     except OSError:
         return None
-    available = int(found.group(1)) * 1024 if found else None
+    if found is None:
+        return None
+    available = int(found.group(1)) * 1024
     cgroup = Path("/sys/fs/cgroup")
     for limit, usage in CGROUP_FILES:
         try:
             available = min(available, int((cgroup / limit).read_text()) - int((cgroup / usage).read_text()))
-        except (OSError, ValueError, TypeError):  # no such cgroup, or "max": no limit
+        except (OSError, ValueError):  # no such cgroup, or "max": no limit
             continue
     return available
 
