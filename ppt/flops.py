@@ -198,10 +198,14 @@ class _Trace(TorchDispatchMode):
         for t in tensors:
             self._batch_dependent[t] = True
 
+    def autocasts(self, x: object) -> bool:
+        """Whether autocast casts `x`: a floating tensor not already in the autocast dtype."""
+        return isinstance(x, torch.Tensor) and self.autocast not in (None, x.dtype) and x.is_floating_point()
+
     def cast(self, x: object) -> object:
         """A matmul operand in the autocast dtype, as autocast casts it: a parameter once per step, an activation once
         per use, the backward reusing the forward's copies; booked as a selection (a read, then a write)."""
-        if not isinstance(x, torch.Tensor) or self.autocast in (None, x.dtype) or not x.is_floating_point():
+        if not self.autocasts(x):
             return x
         key = x.untyped_storage()._cdata  # by storage, so every view of a tensor finds its copy
         known = key in self._casts
@@ -215,12 +219,6 @@ class _Trace(TorchDispatchMode):
         if x in self._batch_dependent:
             self.mark_batch(cast_view)
         return cast_view
-
-    def cast_above_autograd(self, x: torch.Tensor) -> torch.Tensor:
-        """SDPA's casts: autocast makes them above autograd, so they (and their gradients) are traced ops."""
-        if self.autocast is None or not x.is_floating_point() or x.dtype == self.autocast:
-            return x
-        return x.to(self.autocast)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201 (torch's hook)
         kwargs = kwargs or {}
@@ -424,7 +422,7 @@ class _FusedAttention(torch.autograd.Function):
         reach = math.inf if is_causal and mask is None else math.nan
         trace.book_mixer(flops, [(2.0 * (d + v.shape[-1]), reach)] * (b * h // trace.rows))
         trace.record("matmul", flops, q.dtype, operands + [out, lse])
-        ctx.trace, ctx.has_mask = trace, mask is not None
+        ctx.trace = trace
         ctx.save_for_backward(q, k, v, out, lse, *operands[3:])
         return out
 
@@ -432,7 +430,7 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):  # noqa: ANN001, ANN205
         q, k, v, out, lse, *mask = ctx.saved_tensors
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        mask_grad = torch.empty_like(mask[0]) if ctx.has_mask and ctx.needs_input_grad[4] else None
+        mask_grad = torch.empty_like(mask[0]) if mask and ctx.needs_input_grad[4] else None
         shapes = (_as_bhtd(grad_out.shape), *_gqa_shapes(q.shape, k.shape, v.shape))
         written = grads + ([mask_grad] if mask_grad is not None else [])
         ctx.trace.op_name = "scaled_dot_product_attention_backward"
@@ -462,8 +460,8 @@ class _RouteMixers(TorchFunctionMode):
 def _sdpa(trace: _Trace, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
           *args: object, **kwargs: object) -> torch.Tensor:  # fmt: skip
-    """Autocast casts SDPA's inputs above autograd, so the casts and their gradients are part of the graph."""
-    query, key, value = (trace.cast_above_autograd(t) for t in (query, key, value))
+    """Autocast casts SDPA's inputs above autograd, so the casts and their gradients are traced ops."""
+    query, key, value = (t.to(trace.autocast) if trace.autocasts(t) else t for t in (query, key, value))
     return _FusedAttention.apply(trace, query, key, value, attn_mask, is_causal)
 
 
