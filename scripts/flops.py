@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> None:
         raise PPTError(rule.warning())
     pairs_only = rule.mixers and not rule.dense  # else the warning below says what was not counted by pairs
     counted = "over the pairs they need" if pairs_only else "NOT all over the pairs they need"
+    per_token, six_n = rule.per_token(), 6 * rule.params_matmul
     print(
-        f"\nFLOPs/token, comparison rule (one document per row): {si(rule.per_token())} = 6N "
-        f"{si(6 * rule.params_matmul)} + mixers {si(rule.per_token() - 6 * rule.params_matmul)} {counted} (the MFU "
-        "convention counts SDPA over all T x T pairs)"
+        f"\nFLOPs/token, comparison rule (one document per row): {si(per_token)} = 6N {si(six_n)} + mixers "
+        f"{si(per_token - six_n)} {counted} (the MFU convention counts SDPA over all T x T pairs)"
     )
     if warning := rule.warning():
         print(f"warning: {warning}")
