@@ -64,7 +64,7 @@ class TrainSettings:
     recipe: str | None
     ddp_find_unused_parameters: bool = False
 
-    # What must not change when a run resumes: its schedule and the data it reads
+    # What a resumed run may change: how it runs, never its schedule or the data it reads (resume_mismatch)
     RESUMABLE_CHANGES = ("device_batch_size", "grad_accum", "world_size", "compile", "compile_mode", "last_step",
                          "loader_prefetch", "eval_every", "skip_nonfinite", "ddp_find_unused_parameters", "dtype",
                          "deterministic", "recipe", "optimizer_groups", "budget")  # fmt: skip

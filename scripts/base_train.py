@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class Trainer:
-    """One run in four phases: resolve the settings (every check that needs no model), build what they need (model,
-    optimizer, data, output directory, a resumed state), plan the budget and write the record, then the loop and
+    """One run in five phases: resolve the settings (every check that needs no model), build what they need (model,
+    optimizer, data, output directory, a resumed state), plan the budget and start the record, then the loop and
     the finish. --benchmark and --profile hook into the loop from outside it (Measurement)."""
 
     def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
