@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ppt.common import PPTError, atomic_file
+import torch
+
+from ppt.common import PPTError, atomic_file, warn0
 
 FORMAT = 2
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -232,8 +234,6 @@ def model_source() -> dict[str, Any]:
 
 
 def hardware() -> dict[str, Any]:
-    import torch
-
     info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count()}
     info |= {"python": platform.python_version(), "torch": torch.__version__}
     try:
@@ -261,8 +261,6 @@ def plot_losses(record: RunRecord, path: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from ppt.common import warn0
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*zip(*train), lw=1, label="train loss (nats/token)")
