@@ -510,10 +510,7 @@ class Trainer:
         args, rt = self.args, self.rt
         budget = self.state.get("settings", {}).get("budget")
         if args.target_flops and (budget or {}).get("target_flops") != args.target_flops:
-            counts = first_step_doc_pos_counts(
-                args, self.data_dir, self.device_batch, self.seq_len, self.grad_accum * rt.world_size, self.data_seed
-            )  # every rank reads the same rows, so agrees
-            per_token = self.rule.per_token(counts)
+            per_token = self.rule.per_token(self.first_step_doc_pos_counts())  # alike on every rank
             budget = {
                 "target_flops": args.target_flops,
                 "comparison_flops_per_token_estimate": per_token,
@@ -557,6 +554,20 @@ class Trainer:
             eval_tokens=int(args.eval_tokens), recipe=args.recipe,
             ddp_find_unused_parameters=rt.distributed and self.unused_parameters(),
         )  # fmt: skip
+
+    def first_step_doc_pos_counts(self) -> np.ndarray:
+        """Document-position counts of the first step's rows, all ranks together: ranks read rows in blocks of a batch,
+        so they are the first grad_accum x world batches of one process (which every rank reads alike)."""
+        loader = DataLoader(self.data_dir, "train", self.device_batch, self.seq_len, seed=self.data_seed, prefetch=0)
+        for _ in range(self.grad_accum * self.rt.world_size):
+            next(loader)
+        return self.doc_pos_counts(loader)
+
+    def doc_pos_counts(self, loader: DataLoader) -> np.ndarray:
+        """The document-position counts of the rows `loader` gave since the last call, as the model saw them: without
+        document masks whole rows are the documents, so each position counts once per row."""
+        counts = loader.take_doc_pos_counts()
+        return np.full(self.seq_len, counts.sum() // self.seq_len, dtype=np.int64) if self.args.no_doc_masks else counts
 
     def unused_parameters(self) -> bool:
         """Under DDP: whether one forward and backward leaves trainable parameters without a gradient on any rank (a
@@ -656,9 +667,7 @@ class Trainer:
                     raise
             (loss / self.grad_accum).backward()
             loss_sum += loss.detach()
-        counts = self.train_loader.take_doc_pos_counts()
-        if self.args.no_doc_masks:  # whole rows are the documents: each position once per row
-            counts = np.full(self.seq_len, counts.sum() // self.seq_len, dtype=np.int64)
+        counts = self.doc_pos_counts(self.train_loader)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip or float("inf"))
         return *self.sync(loss_sum / self.grad_accum, norm, counts), data_time
 
@@ -855,18 +864,6 @@ class Measurement:
             summary["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         print0("benchmark " + json.dumps(summary))
         return True
-
-
-def first_step_doc_pos_counts(
-    args: argparse.Namespace, data_dir: Path, batch_size: int, seq_len: int, micro_batches: int, seed: int
-) -> np.ndarray:
-    """Document-position counts of the first step's rows, all ranks together: ranks read rows in blocks of a batch,
-    so they are the first `micro_batches` batches of one process."""
-    loader = DataLoader(data_dir, "train", batch_size, seq_len, seed=seed, prefetch=0)
-    for _ in range(micro_batches):
-        next(loader)
-    counts = loader.take_doc_pos_counts()
-    return np.full(seq_len, counts.sum() // seq_len, dtype=np.int64) if args.no_doc_masks else counts
 
 
 def allocate_grads(model: torch.nn.Module) -> None:
