@@ -339,6 +339,8 @@ class Trainer:
                 f"--eval-tokens {args.eval_tokens} is less than one row of --seq-len {self.seq_len} per rank "
                 f"({rt.world_size} ranks): raise --eval-tokens to at least {self.seq_len * rt.world_size}"
             )
+        if args.benchmark:  # a benchmark measures steps: it neither evaluates nor saves
+            args.eval_every = args.save_every = 0
         self.tag = args.tag or self.config_name
         self.out_dir = args.out_dir or cache_dir() / "checkpoints" / self.tag
         self.data_seed = args.seed if args.data_seed is None else args.data_seed
@@ -538,8 +540,6 @@ class Trainer:
                 f"--warmup-tokens {warmup_tokens:g} is more than the run's {target} tokens: the learning rate would "
                 "never reach its peak; lower --warmup-tokens"
             )
-        if args.benchmark:
-            args.eval_every = args.save_every = 0
         return TrainSettings(
             seq_len=self.seq_len, total_batch_tokens=self.total_batch, device_batch_size=self.device_batch,
             grad_accum=self.grad_accum, world_size=rt.world_size, optimizer=args.optimizer, lr=self.lr,
