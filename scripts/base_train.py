@@ -599,6 +599,10 @@ class Trainer:
         """Seconds this run has trained: this process's, plus those of earlier ones up to the resumed checkpoint."""
         return self.state.get("wall_time_s", 0.0) + time.perf_counter() - self.started
 
+    def mfu(self, flops_per_token: float, tok_per_s: float) -> float | None:
+        """The share of the devices' peak FLOP/s that a throughput uses; None where the peak is unknown."""
+        return flops_per_token * tok_per_s / (self.peak * self.rt.world_size) if self.peak else None
+
     # ---- phase 4: the loop --------------------------------------------------------------------------------------
     def loop(self) -> None:
         """One host sync per step, after backward, and none at its end: the host queues the next step while the GPU
@@ -709,7 +713,7 @@ class Trainer:
     def log_step(self, loss: float, norm: float, dt: float, data_time: float, now: float) -> None:
         s, rt, step = self.settings, self.rt, self.step
         tok_per_s = s.total_batch_tokens / dt
-        mfu = self.mfu_flops["mfu"] * tok_per_s / (self.peak * rt.world_size) if self.peak and self.mfu_flops else None
+        mfu = self.mfu(self.mfu_flops["mfu"], tok_per_s) if self.mfu_flops else None
         memory_key, memory = memory_gb(rt.device)
         lr = self.optimizer.param_groups[0]["lr"]
         entry = {"step": step, "tokens": self.tokens_seen, "comparison_flops": self.comparison_flops,
@@ -746,9 +750,10 @@ class Trainer:
         print0(f"step {self.step:6d} | val nll {nll:.4f} | val bpb {bpb:.4f} ({tokens} tokens)")
         evaluation = Evaluation(self.step, self.tokens_seen, self.comparison_flops, self.wall_time(), nll, bpb, tokens)
         self.record.evals.append(evaluation)
-        self.record.history.append(dataclasses.asdict(evaluation))
+        entry = dataclasses.asdict(evaluation)
+        self.record.history.append(entry)
         if self.wandb_run:
-            self.wandb_run.log(for_wandb(dataclasses.asdict(evaluation)), step=self.step)
+            self.wandb_run.log(for_wandb(entry), step=self.step)
         return evaluation
 
     def save(self) -> None:
@@ -813,7 +818,7 @@ class Measurement:
     leaving out the steps the profiler slowed down."""
 
     def __init__(self, args: argparse.Namespace, rt: Runtime) -> None:
-        self.benchmark, self.device, self.world_size = args.benchmark, rt.device, rt.world_size
+        self.benchmark, self.device = args.benchmark, rt.device
         self.profiler = StepProfiler(rt.device, first=5, steps=3) if args.profile and rt.is_master else None
         self.profiled_steps: set[int] = set()
         self.optimizer_times: list[Callable[[], float]] = []  # read at the end, so timing never waits for the GPU
@@ -858,8 +863,8 @@ class Measurement:
         if flops := trainer.mfu_flops:
             summary |= {"flops_per_token": flops["mfu"], "flops_per_token_6n": flops["6n"]}
             if trainer.peak:
-                summary["mfu"] = flops["mfu"] * tok_per_s / (trainer.peak * self.world_size)
-                summary["mfu_6n"] = flops["6n"] * tok_per_s / (trainer.peak * self.world_size)
+                summary["mfu"] = trainer.mfu(flops["mfu"], tok_per_s)
+                summary["mfu_6n"] = trainer.mfu(flops["6n"], tok_per_s)
         if torch.cuda.is_available():
             summary["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         print0("benchmark " + json.dumps(summary))
