@@ -172,8 +172,8 @@ def load_grid(path: Path) -> Grid:
         sizes = table.get("sizes")
         if not isinstance(sizes, list) or len(sizes) < 3 or not all(isinstance(s, str) for s in sizes):
             raise _fail(path, f"[arch.{name}] `sizes` must list at least 3 config names, smallest first")
-        archs.append(Arch(name, sizes, _numbers(path, table, "lrs", float), _flags(path, table.get("args", []),
-                                                                                 f"[arch.{name}] args")))  # fmt: skip
+        lrs = _numbers(path, table, "lrs", float)
+        archs.append(Arch(name, sizes, lrs, _flags(path, table.get("args", []), f"[arch.{name}] args")))
     baseline = raw.get("baseline", archs[0].name)
     if baseline not in archs_raw:
         raise _fail(path, f"baseline {baseline!r} is not an [arch.*] table; use one of {', '.join(archs_raw)}")
@@ -185,7 +185,7 @@ def load_grid(path: Path) -> Grid:
         baseline=baseline,
         archs=archs,
         args=_flags(path, raw.get("args", []), "args"),
-        sizes_per_budget=int(_numbers(path, raw, "sizes_per_budget", int, 3)[0]),
+        sizes_per_budget=_numbers(path, raw, "sizes_per_budget", int, 3)[0],
         tokens_per_param=_numbers(path, raw, "tokens_per_param", float, 20.0)[0],
         max_epochs=_numbers(path, raw, "max_epochs", float, 4.0)[0],
     )
@@ -236,11 +236,7 @@ def _compile_mode(argv: list[str]) -> str | None:
 
 def _computation(argv: list[str]) -> list[str]:
     """The flags without LAUNCH_FLAGS and their values."""
-    kept, skip = [], False
-    for flag in argv:
-        kept += [] if skip or flag in LAUNCH_FLAGS else [flag]
-        skip = flag in LAUNCH_FLAGS
-    return kept
+    return [flag for prev, flag in zip([None, *argv], argv) if flag not in LAUNCH_FLAGS and prev not in LAUNCH_FLAGS]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -257,12 +253,12 @@ class Study:
         self.decisions: dict[str, Any] = {"rates": {}, "sizes": {}}
         self.finished: dict[Run, RunRecord] = {}  # records of finished runs, read once
 
-    def record_path(self, run: Run) -> Path:
-        return self.out / "runs" / run.name / f"{self.grid.name}-{run.name}.json"
+    def run_dir(self, run: Run) -> Path:
+        return self.out / "runs" / run.name
 
     def record(self, run: Run) -> RunRecord | None:
         """The run's record once it has finished; None before (a run that stopped midway resumes)."""
-        path = self.record_path(run)
+        path = self.run_dir(run) / f"{self.grid.name}-{run.name}.json"
         if run in self.finished or not path.is_file():
             return self.finished.get(run)
         record = RunRecord.load(path)
@@ -283,7 +279,7 @@ class Study:
 
     def loss(self, run: Run) -> float | None:
         """Final val bpb; inf for a diverged run; None while it has not run."""
-        if (self.out / "runs" / run.name / "DIVERGED").is_file():
+        if (self.run_dir(run) / "DIVERGED").is_file():
             return math.inf
         record = self.record(run)
         return record.final_val.val_bpb if record else None
@@ -354,7 +350,7 @@ class Study:
     def first_budget(self, arch: Arch, size: str, budget: float) -> float:
         """The smallest budget that trains the size: a smaller one whose sizes (decided first) hold it, or this one."""
         smaller = [b for b in self.grid.budgets if b < budget]
-        return next((b for b in smaller if size in self.decisions["sizes"].get(f"{arch.name} {b:.3g}", [])), budget)
+        return next((b for b in smaller if size in self.decided_sizes(arch, b)), budget)
 
     def rate(self, arch: Arch, size: str, budget: float) -> tuple[float | None, list[Run]]:
         """(the size's learning rate, its sweep's runs at the budget); None until the sweep has decided."""
@@ -387,18 +383,26 @@ class Study:
         variants = (["-rerun"] if self.deterministic else []) + ["-nondet1", "-nondet2"]
         return [replace(first, variant=v) for v in variants]
 
+    def decided_sizes(self, arch: Arch, budget: float) -> list[str]:
+        """The sizes plan() has decided to train at the budget so far (none before it reaches the budget)."""
+        return self.decisions["sizes"].get(f"{arch.name} {budget:.3g}", [])
+
     def first_baseline_run(self) -> Run | None:
+        """The run the rerun floor repeats: the baseline's middle size at the smallest budget, first seed; None
+        until that size and its rate are decided."""
         arch, budget = self.archs[self.grid.baseline], self.grid.budgets[0]
-        sizes = self.decisions["sizes"].get(f"{arch.name} {budget:.3g}", [])
-        rate = self.decisions["rates"].get(f"{arch.name} {sizes[len(sizes) // 2]}") if sizes else None
-        return Run(arch.name, sizes[len(sizes) // 2], budget, rate["lr"], self.grid.seeds[0]) if rate else None
+        if not (sizes := self.decided_sizes(arch, budget)):
+            return None
+        size = sizes[len(sizes) // 2]
+        rate = self.decisions["rates"].get(f"{arch.name} {size}")
+        return Run(arch.name, size, budget, rate["lr"], self.grid.seeds[0]) if rate else None
 
     def grid_runs(self) -> list[Run]:
         """The runs the verdict reads: every seed of every size trained at each budget, at the size's rate."""
         runs = []
         for arch in self.grid.archs:
             for budget in self.grid.budgets:
-                for size in self.decisions["sizes"][f"{arch.name} {budget:.3g}"]:
+                for size in self.decided_sizes(arch, budget):
                     lr = self.decisions["rates"][f"{arch.name} {size}"]["lr"]
                     runs += [Run(arch.name, size, budget, lr, seed) for seed in self.grid.seeds]
         return runs
@@ -460,7 +464,7 @@ def train(study: Study, run: Run, deadline: float | None) -> str:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     if status == "diverged":
-        (study.out / "runs" / run.name / "DIVERGED").touch()
+        (study.run_dir(run) / "DIVERGED").touch()
     if status.startswith("failed"):
         raise PPTError(f"{run.name} {status}; its log: {log}. Fix the cause and rerun the same command to resume")
     return status
@@ -569,7 +573,7 @@ def edge_notes(study: Study, tables: dict[float, list[compare.Setting]]) -> list
     notes = []
     for arch in study.grid.archs:
         for budget, settings in tables.items():
-            sizes = study.decisions["sizes"][f"{arch.name} {budget:.3g}"]
+            sizes = study.decided_sizes(arch, budget)
             best = best_setting(settings, arch.name).fields["size"]
             if best not in (sizes[0], sizes[-1]):
                 continue
@@ -636,9 +640,11 @@ def study_main(
         for run in runs:
             print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
         seconds = [seconds_needed(study, r) for r in runs]
-        print(f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} as "
-              "the finished runs time them" + (f"; {seconds.count(0.0)} with no estimate (nothing like them has run)"
-                                               if 0.0 in seconds else ""))  # fmt: skip
+        unknown = f"; {seconds.count(0.0)} with no estimate (nothing like them has run)" if 0.0 in seconds else ""
+        print(
+            f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} as "
+            f"the finished runs time them{unknown}"
+        )
         return 0
     lock_directory(out, "wait for the study using it, or pass another --out")  # makes `out`, or says why it cannot
     try:
