@@ -70,22 +70,19 @@ class Setting:
 def find_manifests(specs: list[str]) -> list[Path]:
     """Record paths from run tags (looked up in <cache>/reports), paths and globs, each once."""
     found: list[Path] = []
+    reports = cache_dir() / "reports"
     for spec in specs:
-        path = Path(spec).expanduser()
+        path, tagged = Path(spec).expanduser(), reports / f"{spec}.json"
         if glob.has_magic(spec):  # a glob of paths, else of run tags
-            matches = sorted(Path(p) for p in glob.glob(str(path)))
-            matches = matches or sorted(Path(p) for p in glob.glob(str(cache_dir() / "reports" / f"{spec}.json")))
+            matches = sorted(Path(p) for p in glob.glob(str(path))) or sorted(Path(p) for p in glob.glob(str(tagged)))
             if not matches:
-                raise PPTError(f"{spec!r} matches no manifest, nor any run tag in {cache_dir() / 'reports'}")
+                raise PPTError(f"{spec!r} matches no manifest, nor any run tag in {reports}")
         elif path.is_file():
             matches = [path]
-        elif (cache_dir() / "reports" / f"{spec}.json").is_file():
-            matches = [cache_dir() / "reports" / f"{spec}.json"]
+        elif tagged.is_file():
+            matches = [tagged]
         else:
-            raise PPTError(
-                f"no run {spec!r}: not a file, and no {cache_dir() / 'reports' / (spec + '.json')}; pass a run tag, a "
-                "manifest path or a glob"
-            )
+            raise PPTError(f"no run {spec!r}: not a file, and no {tagged}; pass a run tag, a manifest path or a glob")
         found += [m.resolve() for m in matches if m.resolve() not in found]
     return found
 
@@ -136,12 +133,10 @@ def group_settings(runs: list[RunRecord]) -> list[Setting]:
                 )
             seen[run.seeds] = run.run
         same_config = [f for f, _ in groups.values() if f["config"] == fields_["config"]]
-        varying = [
-            k
-            for k in fields_
-            if k != "config" and k not in MUST_MATCH and len({_key(f.get(k)) for f in same_config}) > 1
-        ]
-        details = ", ".join(f"{k}={_short(fields_[k])}" for k in varying if not k.startswith("optimizer_groups"))
+        # optimizer groups are too long for a label: settings told apart only by them are numbered below
+        shown = [k for k in fields_ if k not in ("config", "optimizer_groups", *MUST_MATCH)]
+        varying = [k for k in shown if len({_key(f.get(k)) for f in same_config}) > 1]
+        details = ", ".join(f"{k}={_short(fields_[k])}" for k in varying)
         settings.append(Setting(str(fields_["config"]) + (f" ({details})" if details else ""), fields_, members))
     for i, setting in enumerate(settings):  # settings told apart only by a MUST_MATCH difference or optimizer groups
         if [s.label for s in settings].count(setting.label) > 1:
@@ -210,10 +205,10 @@ def _difference(setting: Setting, baseline: Setting) -> str:
         return "baseline"
     values, reference = setting.final("val_bpb"), baseline.final("val_bpb")
     interval = welch_interval(values, reference)
-    difference = statistics.fmean(values) - statistics.fmean(reference)
     if interval is None:
-        return f"{difference:+.4f}, n/a (one seed)"
-    return f"{difference:+.4f} [{interval[1]:+.4f}, {interval[2]:+.4f}]"
+        return f"{statistics.fmean(values) - statistics.fmean(reference):+.4f}, n/a (one seed)"
+    difference, low, high = interval
+    return f"{difference:+.4f} [{low:+.4f}, {high:+.4f}]"
 
 
 def _paired(setting: Setting, baseline: Setting) -> str:
@@ -271,7 +266,7 @@ def table(
     header = ["setting", "seeds", "params", "tokens", "comparison FLOPs", "val bpb",
               f"Δ bpb vs {baseline.label} (95% CI)", "paired Δ (95% CI)", "wall time", "tok/s", *differing,
               *benchmarks]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [_row(header), "|" + "---|" * len(header)]
     flagged = []  # settings whose rule could not count every mixer by its pairs: why
     for setting in settings:
         flops = statistics.fmean(setting.final("comparison_flops"))
@@ -294,14 +289,18 @@ def table(
         for label in benchmarks:
             scores = [r.benchmark_scores()[label] for r in setting.runs if label in r.benchmark_scores()]
             cells.append(f"{statistics.fmean(scores):.1f}" if scores else "-")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(_row(cells))
     for name, bpb in regimes.items():  # count-based models of the train split: what a run must beat to have learned
-        lines.append("| " + " | ".join([f"{name} (train-split counts)", "-", "-", "-", "-", f"{bpb:.4f}"]
-                                       + ["-"] * (len(header) - 6)) + " |")  # fmt: skip
+        cells = [f"{name} (train-split counts)", "-", "-", "-", "-", f"{bpb:.4f}"]
+        lines.append(_row(cells + ["-"] * (len(header) - len(cells))))
     if flagged:
         lines.append("\n* not every token mixer counted by the pairs it needs (" + "; ".join(flagged) + ")")
     notes = budget_notes(settings)
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def _rule_warning(run: RunRecord) -> str | None:
