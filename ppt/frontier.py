@@ -202,11 +202,10 @@ def _optimum(arch: str, budget: float, cell: _Cell, weights: np.ndarray) -> Opti
     means = np.tensordot(weights, cell.values, axes=1) / weights.sum()  # (sizes, 4)
     size, loss, flags = isoflop_minimum(cell.sizes, means[:, 0])
     lines = np.polyfit(np.log(cell.sizes), means[:, 1:], 1)  # (slope and intercept, unit)
-    at = np.exp(lines[0] * math.log(size) + lines[1])
+    at = {u: None if np.isnan(x) else float(x) for u, x in zip(UNITS, np.exp(lines[0] * math.log(size) + lines[1]))}
     points = [(float(s), float(m[0]), {u: float(math.exp(x)) for u, x in zip(UNITS, m[1:])})
               for s, m in zip(cell.sizes, means)]  # fmt: skip
-    return Optimum(arch, budget, size, loss, {u: None if np.isnan(x) else float(x) for u, x in zip(UNITS, at)}, flags,
-                   points)  # fmt: skip
+    return Optimum(arch, budget, size, loss, at, flags, points)
 
 
 def _estimate(cells: dict, baseline: str, weights: np.ndarray) -> tuple[list[Optimum], list[Multiplier]]:
