@@ -194,10 +194,10 @@ def paired_interval(a: dict[Any, float], b: dict[Any, float]) -> tuple[float, fl
 
 
 def _bpb(values: list[float], regimes: dict[str, float]) -> str:
-    text = f"{values[0]:.4f} (n=1)" if len(values) == 1 else (
-        f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} (n={len(values)})")  # fmt: skip
+    mean, n = statistics.fmean(values), len(values)
+    text = f"{mean:.4f} ± {statistics.stdev(values):.4f} (n={n})" if n > 1 else f"{mean:.4f} (n=1)"
     bigram = regimes.get("bigram")
-    return text + (" (not below the bigram)" if bigram is not None and statistics.fmean(values) >= bigram else "")
+    return text + (" (not below the bigram)" if bigram is not None and mean >= bigram else "")
 
 
 def _difference(setting: Setting, baseline: Setting) -> str:

@@ -193,7 +193,7 @@ def load_grid(path: Path) -> Grid:
         raise _fail(path, "`sizes_per_budget` must be at least 3: a parabola through fewer sizes has no minimum")
     for arch in archs:
         for size in arch.sizes:
-            _check_argv(path, grid, arch, Run(arch.name, size, grid.budgets[0], arch.lrs[0], grid.seeds[0]))
+            _check_argv(path, grid, Run(arch.name, size, grid.budgets[0], arch.lrs[0], grid.seeds[0]))
     return grid
 
 
@@ -201,7 +201,7 @@ class _Refused(Exception):
     pass
 
 
-def _check_argv(path: Path, grid: Grid, arch: Arch, run: Run) -> None:
+def _check_argv(path: Path, grid: Grid, run: Run) -> None:
     """Parse a run's flags as base_train will, so a value it refuses stops the study before any run starts."""
     parser = base_train.build_parser()
 
@@ -212,7 +212,7 @@ def _check_argv(path: Path, grid: Grid, arch: Arch, run: Run) -> None:
     try:
         parser.parse_args(run_argv(grid, run, Path("out"), deterministic=True))
     except _Refused as exc:
-        raise _fail(path, f"base_train refuses run {run.name}: {exc}; fix `args` or [arch.{arch.name}]") from None
+        raise _fail(path, f"base_train refuses run {run.name}: {exc}; fix `args` or [arch.{run.arch}]") from None
 
 
 def run_argv(grid: Grid, run: Run, out: Path, deterministic: bool) -> list[str]:
@@ -592,8 +592,8 @@ def edge_notes(study: Study, tables: dict[float, list[compare.Setting]]) -> list
 def write_results(study: Study, grid_path: Path) -> str:
     grid, out = study.grid, study.out
     first = study.record(study.grid_runs()[0])
-    regimes = ngram_bpb(grid.data_dir, first.train.eval_tokens, first.train.seq_len, first.train.world_size)
-    regimes = {"unigram": regimes["unigram"], "bigram": regimes["bigram"]}
+    counts = ngram_bpb(grid.data_dir, first.train.eval_tokens, first.train.seq_len, first.train.world_size)
+    regimes = {name: counts[name] for name in ("unigram", "bigram")}  # the bpb rows under each comparison table
     verdict = frontier.verdict(run_results(study), grid.baseline)
     frontier.plot(verdict, out / "frontier.png")
     hardware = first.hardware
