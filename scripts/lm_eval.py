@@ -42,14 +42,8 @@ except (ImportError, PPTError):
     print("error: lm-eval is not installed: uv sync --extra eval", file=sys.stderr)
     sys.exit(2)
 
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+DTYPES |= {"fp32": torch.float32, "float32": torch.float32}
 DEFAULT_BATCH_SIZE = 16
 HUB_HINT = "check the network and HF_HUB_OFFLINE, or pass --include_path DIR with task YAMLs over local files"
 # ppt.model_io's messages name base_eval's flags; here the same settings are keys of --model_args
