@@ -146,11 +146,10 @@ def _output_types(manager: TaskManager, name: str, seen: set[str]) -> set[str]:
 
 def check_tasks(manager: TaskManager, benchmarks: tuple[Benchmark, ...]) -> None:
     """Unknown names (with close valid ones) and tasks that need generation fail here, before any model work."""
-    known = manager.all_tasks
     for bench in benchmarks:
         for name in bench.tasks:
             if name not in manager.task_index:
-                close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+                close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 raise PPTError(
                     f"unknown lm-eval task {name!r}{hint} (`python -m scripts.lm_eval ls tasks` lists them all; "
@@ -394,7 +393,8 @@ class PPTLM(TemplateLM):
         results: list[tuple[float, bool]] = [(0.0, True)] * len(windows)
         bar = tqdm(total=len(windows), desc=desc, disable=True if disable_tqdm or self.rank != 0 else None)
         for start in range(0, len(order), self.batch_size):
-            chunk = [i for i in order[start : start + self.batch_size] if windows[i][1] > 0]
+            batch = order[start : start + self.batch_size]
+            chunk = [i for i in batch if windows[i][1] > 0]  # an empty continuation keeps its (0.0, True)
             if chunk:
                 width = len(windows[chunk[0]][0]) - 1
                 inputs = torch.full((len(chunk), width), self.eot_token_id, dtype=torch.long)
@@ -412,7 +412,7 @@ class PPTLM(TemplateLM):
                     greedy.append((scored.argmax(-1) == target).all())
                 for i, logprob, is_greedy in zip(chunk, torch.stack(logprobs).tolist(), torch.stack(greedy).tolist()):
                     results[i] = (logprob, is_greedy)
-            bar.update(len(order[start : start + self.batch_size]))
+            bar.update(len(batch))
         bar.close()
         return results
 
