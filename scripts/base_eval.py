@@ -210,9 +210,9 @@ def log_to_wandb(record: RunRecord | None, evaluation: dict[str, Any]) -> str | 
         print0(f"note: wandb is not installed; scores not logged to wandb run {recorded['id']}")
         return None
     scores = {"eval/val_nll": evaluation["val"]["nll"], "eval/val_bpb": evaluation["val"]["bpb"]}
-    bench = evaluation.get("benchmarks") or {}
-    scores |= {f"eval/{label}": score for label, score in bench.get("rows", {}).items()}
-    if len(bench.get("rows", {})) > 1:
+    bench = evaluation.get("benchmarks") or {"rows": {}}
+    scores |= {f"eval/{label}": score for label, score in bench["rows"].items()}
+    if len(bench["rows"]) > 1:
         scores["eval/avg"] = bench["avg"]
     run = wandb.init(project=recorded.get("project", "ppt"), id=recorded["id"], resume="allow")
     # at the checkpoint's step (an offline run starts again at 0), or where the resumed online run stands
