@@ -315,7 +315,7 @@ class DataLoader:
 
     def budget_shortfall(self, max_tokens: int) -> str | None:
         """Why `val_batches(max_tokens)` scores fewer rows than the budget asks, when the split is what runs out."""
-        if self.val_rows(max_tokens) == max_tokens // (self.seq_len * self.world_size):
+        if max_tokens // (self.seq_len * self.world_size) <= self.rows_per_rank:
             return None
         return (
             f"a val budget of {max_tokens:,} tokens is more than the {self.split} split of {self.data_dir} holds in "

@@ -231,9 +231,8 @@ def build_optimizer(
     if name not in OPTIMIZERS:
         raise PPTError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     lr = DEFAULT_LR[name] if lr is None else lr
-    grouped = parameters_by_role(model)
     groups = []
-    for role, named in grouped.items():
+    for role, named in parameters_by_role(model).items():
         if not named:
             continue
         group = dict(params=[p for _, p in named], role=role, weight_decay=0.0 if role == "scalar" else weight_decay)

@@ -168,9 +168,10 @@ class ShardWriter:
     def remember(self, texts: Iterable[str]) -> None:
         """Resuming: take the digests of the documents the finished shards consumed, so their copies are dropped."""
         for index, text in enumerate(texts):
-            self.seen.add(digest(text))
+            doc = digest(text)
+            self.seen.add(doc)
             if index < self.meta["val"]["docs_consumed"]:
-                self.val_seen.add(digest(text))
+                self.val_seen.add(doc)
 
     def feed(self, lengths: np.ndarray, tokens: np.ndarray, digests: list[bytes]) -> None:
         """Add encoded documents in order, dropping exact duplicates; a shard closes at the first document boundary
@@ -344,7 +345,8 @@ def roll_back_to_damaged(out: Path, meta: dict) -> None:
                 keep = index if split == "train" else 0  # the val shard is written with the first train shard
                 kept = meta["progress"]["train_shards"][:keep]
                 meta["train"] = dict(kept[-1]) if kept else _zero_counts()
-                meta["val"] = meta["val"] if keep else _zero_counts()
+                if not keep:
+                    meta["val"] = _zero_counts()
                 meta["progress"].update(exhausted=False, complete=False, train_shards=kept)
                 return
 

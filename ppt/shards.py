@@ -85,9 +85,9 @@ def write_shard(
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
         raise PPTError(f"a shard needs a non-empty 1-D integer token array, got {tokens.dtype} shape {tokens.shape}")
-    out_of_vocab = (tokens < 0) | (tokens >= vocab_size)
-    if out_of_vocab.any():
-        pos = int(np.flatnonzero(out_of_vocab)[0])
+    outside = (tokens < 0) | (tokens >= vocab_size)
+    if outside.any():
+        pos = int(np.flatnonzero(outside)[0])
         raise PPTError(
             f"token id {int(tokens[pos])} at position {pos} is outside the vocabulary (size {vocab_size}) of "
             f"{tokenizer_name or 'the tokenizer'}; the tokens come from a different tokenizer than the one named"

@@ -38,8 +38,8 @@ def resolve_local_files(patterns: list[str]) -> list[Path]:
     supported file. A folder gives every .txt/.jsonl/.parquet file under it (hidden ones aside)."""
     files = []
     for pattern in patterns:
-        matches = sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern]
-        matches = [os.path.expanduser(match) for match in matches]
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob.glob(expanded)) if glob.has_magic(pattern) else [expanded]
         if not matches or not Path(matches[0]).exists():
             raise PPTError(f"--source {pattern!r} matches no file; pass fineweb, demo, or existing local files")
         for path in (Path(match).resolve() for match in matches):
@@ -149,7 +149,7 @@ def _module_document(name: str, seen: set[str]) -> str:
                     add(f"def {attr}.{member_name}{_parameters(member)}", member.__doc__)
     comments = _source_comments(getattr(module, "__file__", None), seen)
     if comments:
-        parts.append("comments in the source of " + name + "\n" + "\n\n".join(comments))
+        parts.append(f"comments in the source of {name}\n" + "\n\n".join(comments))
     return "\n\n".join(parts)
 
 
