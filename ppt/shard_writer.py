@@ -199,8 +199,9 @@ class ShardWriter:
 
     def flush(self) -> None:
         """Write the pending val shard (if any) and the train shard, then the progress that covers them."""
-        if self.val is not None:  # the first shards: the tokenizer and meta.json go first, so a kill leaves a
-            # directory the next run resumes, and a prepare that fails before its first shard leaves nothing
+        # The first shards: the tokenizer and meta.json go first, so a kill leaves a directory the next run resumes,
+        # and a prepare that fails before its first shard leaves nothing
+        if self.val is not None:
             with disk_errors(self.out / "tokenizer.json", self.shard_bytes()):
                 self.tokenizer.save(self.out)
             self.write_meta()

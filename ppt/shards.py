@@ -122,8 +122,7 @@ def read_shard(
         raw = f.read(HEADER_BYTES)
     if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
         raise PPTError(f"{path} is not a ppt shard (bad magic number); re-run prepare: {PREPARE_HINT}")
-    fields = _HEADER.unpack_from(raw)
-    _, version, itemsize, num_tokens, vocab_size, eot_id, flags, fp, tokens_sha, name, max_id = fields
+    _, version, itemsize, num_tokens, vocab_size, eot_id, flags, fp, tokens_sha, name, max_id = _HEADER.unpack_from(raw)
     if version != VERSION:
         raise PPTError(f"{path} has shard format version {version}, this ppt reads {VERSION}; {PREPARE_AGAIN}")
     if not flags & FLAG_MAX_ID:

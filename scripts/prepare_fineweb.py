@@ -257,7 +257,7 @@ def prepare(args: argparse.Namespace) -> None:
         documents = local_document_source(files, args.shuffle_seed)
     else:
         documents = open_fineweb if kind == "fineweb" else lambda: iter(demo_documents())
-    job = Job(kind, out, files, documents, args.shards if args.shards is not None else DEFAULTS[kind]["shards"])
+    job = Job(kind, out, files, documents, args.shards or DEFAULTS[kind]["shards"])
     made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if this prepare leaves them empty
     previous = read_meta(out) if (out / "meta.json").is_file() else None  # a killed prepare may have left no shard
     resume = previous is not None and previous["val"]["shards"] + previous["train"]["shards"] > 0
