@@ -7,7 +7,10 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
 
+from ppt.common import init_runtime
 from ppt.kernels.cross_entropy import (
     COST_FORMULAS,
     cross_entropy_with_grad_reference,
@@ -170,11 +173,6 @@ def test_cuda_matches_float64_reference(dtype, tol):
 def test_a_second_process_takes_the_compiled_loss_from_aotautograds_cache():
     """linear_cross_entropy is a custom autograd.Function, which AOTAutograd's cache passes over unless the runtime
     lets it in: then a run after the first (a study's next run, a relaunch) skips the joint trace and the partition."""
-    from torch._dynamo.utils import counters
-    from torch._inductor.utils import fresh_cache
-
-    from ppt.common import init_runtime
-
     init_runtime("cpu")
     x, w, targets = case(dtype=torch.float32)
     x.requires_grad_()
@@ -185,3 +183,30 @@ def test_a_second_process_takes_the_compiled_loss_from_aotautograds_cache():
             torch.compile(linear_cross_entropy)(x, w, targets).backward()
             assert counters["aot_autograd"].get("autograd_cache_bypass", 0) == 0, process
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+
+
+def test_an_edited_custom_function_is_never_served_from_aotautograds_cache():
+    """What the runtime's setting admits to the cache stays safe to admit: a Function whose backward changed (a fork
+    editing its loss) compiles again and gives its own gradient, not the cached one."""
+
+    def function_with_backward(scale: float) -> type[torch.autograd.Function]:
+        class Doubled(torch.autograd.Function):  # the same name and forward each time: only the backward differs
+            @staticmethod
+            def forward(ctx, x):
+                return 2 * x
+
+            @staticmethod
+            def backward(ctx, grad):
+                return scale * grad
+
+        return Doubled
+
+    init_runtime("cpu")
+    with fresh_cache():
+        for scale, cache in ((2.0, "miss"), (3.0, "miss"), (2.0, "hit")):  # the first backward again: from the cache
+            torch._dynamo.reset()
+            counters.clear()
+            x = torch.ones(4, requires_grad=True)
+            torch.compile(function_with_backward(scale).apply)(x).sum().backward()
+            assert torch.equal(x.grad, torch.full((4,), scale))
+            assert counters["aot_autograd"][f"autograd_cache_{cache}"] == 1, (scale, dict(counters["aot_autograd"]))
