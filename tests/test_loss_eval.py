@@ -195,3 +195,23 @@ def test_bench_bpb_runs_each_variant_and_refuses_bad_lists(run_tool):
     ]:
         code, _, err = run_tool("bench.bench_bpb", flag, value)
         assert code == 2 and err == f"error: argument {flag}: {message} (see --help)\n"
+
+
+def test_a_compiled_model_scored_with_autograd_is_taken_from_aotautograds_cache_by_the_next_run(monkeypatch):
+    """Scoring with autograd on (compiled, on CUDA) runs no backward, which is when AOTAutograd would otherwise compile
+    the graph's backward and save the graph: without evaluate_bpb compiling it with the forward, every run traced and
+    partitioned its evaluation graph anew."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    monkeypatch.setattr("ppt.loss_eval.scores_with_autograd", lambda compiled, device: compiled)  # as on CUDA
+    V = 8
+    token_bytes = torch.ones(V, dtype=torch.int64)
+    with fresh_cache():
+        for run, cache in (("first", "saved"), ("second", "hit")):
+            torch._dynamo.reset()  # what a new process starts from, the on-disk caches aside
+            counters.clear()
+            model = torch.compile(FixedDistribution(torch.linspace(-1, 1, V)))
+            result = evaluate_bpb(model, [batch([[1, 2, 3, 4]])], token_bytes)
+            assert counters["aot_autograd"][f"autograd_cache_{cache}"] == 1, (run, dict(counters["aot_autograd"]))
+            assert result["tokens"] == 4 and math.isfinite(result["bpb"])
