@@ -22,10 +22,6 @@ from ppt.kernels.attention import scores_with_autograd
 
 # Val tokens scored by default, at the end of training and by base_eval alike: the same budget, the same bpb.
 DEFAULT_EVAL_TOKENS = 10 * 2**20
-# A compiled graph with autograd enters AOTAutograd's cache once its backward is compiled, by default at the first
-# backward. Scoring with autograd on runs none, so each run traced and partitioned its evaluation graph anew; compiled
-# with the forward, the unused backward costs a shape's first run once, and later runs take the graph from the cache.
-COMPILE_BACKWARD_WITH_FORWARD = torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
@@ -33,6 +29,14 @@ def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager
     if dtype == torch.float32:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def backward_with_forward() -> AbstractContextManager:
+    """Compile a graph's backward with its forward. A compiled graph with autograd enters AOTAutograd's cache once its
+    backward is compiled, by default at the first backward; scoring with autograd on runs none, so each run traced and
+    partitioned its evaluation graph anew. The unused backward costs a shape's first run once; later runs take the
+    graph from the cache."""
+    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
 
 
 def evaluate_bpb(
@@ -60,7 +64,7 @@ def evaluate_bpb(
                 targets = torch.cat([targets, targets.new_full((extra, targets.shape[1]), -1)])
                 doc_pos = None if doc_pos is None else torch.cat([doc_pos, doc_pos[:1].expand(extra, -1)])
             with_autograd = scores_with_autograd(compiled, inputs.device)  # the graph is freed with each batch
-            with autocast(inputs.device, dtype), torch.set_grad_enabled(with_autograd), COMPILE_BACKWARD_WITH_FORWARD:
+            with autocast(inputs.device, dtype), torch.set_grad_enabled(with_autograd), backward_with_forward():
                 nll = model(inputs, targets, doc_pos, reduction="none").detach()
             nll, targets = nll.to(sums.device, torch.float64), targets.to(sums.device)
             valid = targets >= 0
