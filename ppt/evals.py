@@ -26,7 +26,7 @@ import difflib
 import json
 import random
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,17 +258,26 @@ def write_choice_task(examples: list[dict[str, Any]], directory: str | Path, nam
 DEMO_TASK = "ppt_demo_continuation"
 
 
-def demo_examples(documents: list[str], n: int = 200, n_choices: int = 4, seed: int = 0) -> list[dict[str, Any]]:
+def demo_examples(
+    documents: list[str],
+    n: int = 200,
+    n_choices: int = 4,
+    seed: int = 0,
+    fits: Callable[[str], bool] = lambda choice: True,
+) -> list[dict[str, Any]]:
     """Passages cut from `documents`: 40 words of context, the true next 10 words, and 10-word distractors taken
-    from other passages. Deterministic for the same documents and seed."""
+    from other passages. Passages whose 10 words do not `fit` (a model's context: a choice is never truncated) are
+    left out. Deterministic for the same documents and seed."""
     passages = []
     for doc in documents:
         words = doc.split()
-        passages += [words[i : i + 50] for i in range(0, len(words) - 49, 50)]
+        for i in range(0, len(words) - 49, 50):
+            if fits(" ".join(words[i + 40 : i + 50])):
+                passages.append(words[i : i + 50])
     if len(passages) < n_choices:
         raise PPTError(
-            f"the demo task needs at least {n_choices} passages of 50 words, the documents hold {len(passages)}; "
-            "use more text (prepare more val data)"
+            f"the demo task needs at least {n_choices} passages of 50 words whose last 10 fit the model's context, "
+            f"the documents hold {len(passages)}; use more text (prepare more val data)"
         )
     rng = random.Random(seed)
     chosen = rng.sample(range(len(passages)), min(n, len(passages)))

@@ -117,10 +117,16 @@ class Tasks:
 
 
 def chosen_tasks(
-    args: argparse.Namespace, custom_tasks: tuple | None, tokenizer: Tokenizer, data_dir: Path, demo_dir: Path
+    args: argparse.Namespace,
+    custom_tasks: tuple | None,
+    tokenizer: Tokenizer,
+    data_dir: Path,
+    demo_dir: Path,
+    max_seq_len: int,
 ) -> Tasks:
     """The chosen tasks (preset, --tasks as `custom_tasks` parsed, and/or the demo task), every name and output type
-    checked. The demo task is written into demo_dir, which must outlive the tasks' run."""
+    checked. The demo task is written into demo_dir, which must outlive the tasks' run, from passages whose choices
+    fit the model's `max_seq_len`."""
     from ppt import evals  # lazily: needs the eval extra, which --skip-tasks does not
 
     if custom_tasks:
@@ -131,7 +137,9 @@ def chosen_tasks(
         benchmarks, protocol = evals.protocol(args.protocol), args.protocol
     include = list(args.include_path)
     if args.demo_task:
-        evals.write_choice_task(evals.demo_examples(val_documents(data_dir, tokenizer)), demo_dir, evals.DEMO_TASK)
+        fits = lambda choice: len(tokenizer.backend.encode(" " + choice, add_special_tokens=False).ids) <= max_seq_len
+        examples = evals.demo_examples(val_documents(data_dir, tokenizer), fits=fits)
+        evals.write_choice_task(examples, demo_dir, evals.DEMO_TASK)
         include.append(demo_dir)
         benchmarks += (evals.Benchmark("demo continuation (4-way)", (evals.DEMO_TASK,), 0, "acc"),)
     # lm-eval's built-in index takes seconds to build: skip it when only the local demo task runs
@@ -253,7 +261,11 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="ppt_demo_task_") as demo_dir:
         # found and checked now: an unknown or generative task stops the run before its bits-per-byte pass
-        tasks = None if args.skip_tasks else chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir))
+        tasks = (
+            None
+            if args.skip_tasks
+            else chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir), model.config.max_seq_len)
+        )
         # what contexts start with: EOT; an imported folder's, as its own tokenizer starts a text (its BOS, or nothing)
         prefix = None if tasks is None else context_prefix(run, tokenizer)
         started = time.time()

@@ -148,6 +148,16 @@ def write_rolling_task(directory: Path, name: str, texts: list[str]) -> None:
     (directory / f"{name}.yaml").write_text(json.dumps(config))
 
 
+def test_demo_examples_leave_out_passages_whose_choice_does_not_fit():
+    documents = [" ".join(TEXTS)]
+    fits = lambda choice: "traceback" not in choice  # stands for a model's context, in tokens
+    every, kept = demo_examples(documents, n=1000), demo_examples(documents, n=1000, fits=fits)
+    assert 4 <= len(kept) < len(every)
+    assert all(fits(choice) for example in kept for choice in example["choices"])
+    with pytest.raises(PPTError, match=r"passages of 50 words whose last 10 fit the model's context, .* hold 0"):
+        demo_examples(documents, fits=lambda choice: False)
+
+
 def test_simple_evaluate_on_local_multiple_choice_and_rolling_tasks(tokenizer, tmp_path):
     examples = demo_examples([" ".join(TEXTS)], n=12, seed=1)
     assert {len(e["choices"]) for e in examples} == {4} and all(0 <= e["label"] < 4 for e in examples)

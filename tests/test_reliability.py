@@ -832,13 +832,18 @@ def test_bad_input_prints_one_error_line_and_exits_2(script, args, env, message,
 def bad_input_table(results: dict) -> str:
     """docs/bad-input.md from its key on: each BAD_INPUT case, its command and the last line it printed, with what
     differs between runs and machines (temporary folders, pids, hosts, free memory, a permission error's wording, the
-    demo tokenizer's fingerprint: the demo corpus is the stdlib modules that import) replaced."""
+    demo tokenizer's fingerprint and a shard's size: the demo corpus is the stdlib modules that import) replaced."""
 
     def shown(text: str) -> str:
         text = text.replace(results["work"] + "/", "").replace(results["data"], "<data>")
         text = re.sub(r"pid \d+ on [^,]+,", "pid <pid> on <host>,", text)
         text = re.sub(r"but [\d.]+ [KMGT]?B is free", "but <n> is free", text)
         text = re.sub(r"fingerprint [0-9a-f]{16}\b(?<!cdcdcdcdcdcdcdcd)", "fingerprint <demo>", text)  # stdlib-made
+        text = re.sub(
+            r"\((\d+) bytes, header says (\d+)\)",
+            lambda m: f"(<n> bytes, header says <n + {int(m[2]) - int(m[1])}>)",
+            text,
+        )
         text = re.sub(r"\((Operation not permitted|Permission denied|Read-only file system)\)", "(<os error>)", text)
         return "`` " + text.replace("|", r"\|") + " ``"
 
