@@ -138,8 +138,14 @@ def gpu_idle_by_phase(prof: profile, steps: int, min_gap_us: float = 5.0) -> str
     # a device event links to the CPU op that launched it by correlation id; those ops are the ones holding kernels
     events = prof.events()
     launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}
+    # not the GPU-side ranges of annotations (ProfilerStep#N, Optimizer.step...): each spans its whole region and
+    # would hide every gap inside it
     kernels = sorted(
-        (e for e in events if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start),
+        (
+            e
+            for e in events
+            if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start and not e.is_user_annotation
+        ),
         key=lambda e: e.time_range.start,
     )
     if not kernels:

@@ -55,11 +55,16 @@ def test_kernels_count_once_under_the_op_that_launched_them():
     ]
 
 
-def kernel(name: str, start: float, end: float, launched_by: int) -> SimpleNamespace:
-    """A device event: a kernel's interval in microseconds and the correlation id of the CPU op that launched it."""
+def kernel(name: str, start: float, end: float, launched_by: int, annotation: bool = False) -> SimpleNamespace:
+    """A device event: a kernel's interval in microseconds and the correlation id of the CPU op that launched it (or,
+    `annotation`, the GPU-side range of a CPU annotation such as ProfilerStep#N)."""
     interval = SimpleNamespace(start=start, end=end)
     return SimpleNamespace(
-        name=name, device_type=DeviceType.CUDA, time_range=interval, linked_correlation_id=launched_by
+        name=name,
+        device_type=DeviceType.CUDA,
+        time_range=interval,
+        linked_correlation_id=launched_by,
+        is_user_annotation=annotation,
     )
 
 
@@ -80,7 +85,8 @@ def test_gpu_idle_is_split_by_the_phase_of_the_kernel_after_each_gap():
               kernel("b", 850, 1000, 2),  # overlapping kernels (two streams): no gap
               kernel("o", 2000, 2100, 3), kernel("o", 2500, 2600, 3),  # 1000 + 400 us before optimizer kernels
               kernel("f", 2800, 3000, 1),  # 200 us before the next forward
-              kernel("?", 3200, 3260, 99)]  # 200 us, launched by no recorded op  # fmt: skip
+              kernel("?", 3200, 3260, 99),  # 200 us, launched by no recorded op
+              kernel("ProfilerStep#3", 0, 3260, 0, annotation=True)]  # its GPU-side range, no kernel  # fmt: skip
     report = gpu_idle_by_phase(SimpleNamespace(events=lambda: events), steps=2).splitlines()
     # totals away from a rounding tie: Python 3.12's compensated sum() would round a 1.15 one way, 3.11's the other
     assert report[0].startswith("GPU idle 1.2 ms per iteration of 1.6 ms from first to last kernel (2 gaps")
