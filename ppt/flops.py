@@ -86,6 +86,7 @@ _PER_TARGET = {"nll_loss_forward", "nll_loss2d_forward"}
 _MATMUL_EXTRA = dict.fromkeys(
     ("mv", "addmv", "dot", "vdot"), lambda *args, **kw: 2 * max(t.numel() for t in _tensors(args))
 )
+_COPIES = {"clone", "_to_copy", "_unsafe_view", "alias", "detach"}  # ops that keep a zero-padded tensor's padding
 _SHADOW_MAX = 4096  # parameter-derived tensors up to this size keep real values during the trace (see _Trace)
 
 
@@ -187,6 +188,9 @@ class _Trace(TorchDispatchMode):
         self._param_storages = {p.untyped_storage()._cdata for p in params}
         self.params_used: set[int] = set()
         self._batch_dependent = WeakIdKeyDictionary()
+        # batch-independent tensors padded with zeros (F.pad of a weight: an aligned layout, not the architecture's
+        # size): the fraction of their elements that are not padding, so that their matmuls count at the unpadded size
+        self._unpadded_fraction = WeakIdKeyDictionary()
         self._shadow = WeakIdKeyDictionary(dict(shadows.values()))
         # what `replayed_mixers` runs again: the shadowed tensors' names, the ops computing shadows in order, and the
         # custom ops booked as token mixers (by index in `mixers`) with their arguments
@@ -213,6 +217,8 @@ class _Trace(TorchDispatchMode):
             copy = torch.empty(x.untyped_storage().nbytes() // x.element_size(), dtype=self.autocast, device="meta")
             self._casts[key] = (x, copy)  # holding x keeps the storage, and so the key, alive
         cast_view = self._casts[key][1].as_strided(x.shape, x.stride(), x.storage_offset())
+        if x in self._unpadded_fraction:
+            self._unpadded_fraction[cast_view] = self._unpadded_fraction[x]
         if not known or (self.phase == "primal" and key not in self._param_storages):
             self.op_name = "_to_copy"
             self.record("selection", 0, x.dtype, [x, cast_view])
@@ -237,6 +243,12 @@ class _Trace(TorchDispatchMode):
         if any(t in self._batch_dependent for t in inputs):
             self.mark_batch(*outputs)
             return
+        if func._opname == "constant_pad_nd" and (len(args) < 3 or args[2] == 0):
+            fraction = self._unpadded_fraction.get(inputs[0], 1.0) * inputs[0].numel() / outputs[0].numel()
+            self._unpadded_fraction[outputs[0]] = fraction
+        elif len(inputs) == 1 and inputs[0] in self._unpadded_fraction and (func.is_view or func._opname in _COPIES):
+            for t in outputs:
+                self._unpadded_fraction[t] = self._unpadded_fraction[inputs[0]]
         if inputs and all(t in self._shadow for t in inputs) and all(t.numel() <= _SHADOW_MAX for t in outputs):
             self._shadow_ops.append((func, args, kwargs, outputs))
             self._compute_shadows(func, args, kwargs, outputs)
@@ -310,8 +322,9 @@ class _Trace(TorchDispatchMode):
         operand that does not) are booked here."""
         if self.phase != "primal":
             return False
-        if any(t not in self._batch_dependent for t in inputs if t.dtype.is_floating_point and t.dim() >= 2):
-            self.weight_flops += flops
+        weights = [t for t in inputs if t.dtype.is_floating_point and t.dim() >= 2 and t not in self._batch_dependent]
+        if weights:
+            self.weight_flops += flops * min(self._unpadded_fraction.get(t, 1.0) for t in weights)
             return False
         return bool(flops)
 

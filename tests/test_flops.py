@@ -119,6 +119,34 @@ def test_hand_built_model_counts_params_flops_and_operand_bytes_exactly():
     assert B16 not in fp32.dtypes("bytes") and not any(op == "_to_copy" for _, _, _, op, _ in fp32.ops)
 
 
+class PaddedTiedMLPLM(TiedMLPLM):
+    """TiedMLPLM with its stream stored `pad` columns wider, every weight padded with `value` at forward."""
+
+    def __init__(self, pad: int, value: float) -> None:
+        super().__init__(vocab=64, d=16, hidden=48)
+        self.pad, self.value = pad, value
+
+    def forward(self, idx, targets=None):
+        embed = F.pad(self.embed.weight, (0, self.pad), value=self.value)
+        up = F.pad(self.up.weight, (0, self.pad), value=self.value)
+        down = F.pad(self.down.weight, (0, 0, 0, self.pad), value=self.value)
+        x = F.embedding(idx, embed)
+        x = x + F.linear(F.relu(F.linear(x, up)), down)
+        return F.cross_entropy(F.linear(x, embed).flatten(0, 1).float(), targets.flatten())
+
+
+@pytest.mark.parametrize("dtype", [B16, torch.float32])
+def test_zero_padded_weights_count_their_matmuls_at_the_unpadded_size(dtype):
+    """Zero columns are a layout (aligned widths), not the architecture: N and MFU stay those of the unpadded model,
+    while the matmul FLOPs the step computes include the padding. Padding with anything else is counted in full."""
+    tokens, n, padded_n = 16, 16 * 48 + 48 * 16 + 64 * 16, 20 * 48 + 48 * 20 + 64 * 20
+    unpadded = cost(TiedMLPLM(), batch_size=2, seq_len=8, dtype=dtype)
+    step = cost(PaddedTiedMLPLM(pad=4, value=0.0), batch_size=2, seq_len=8, dtype=dtype)
+    assert step.params_matmul == unpadded.params_matmul == n and step.flops_per_token == 6 * n
+    assert step.flops[("primal", "matmul")] == {dtype: 2 * padded_n * tokens}
+    assert cost(PaddedTiedMLPLM(pad=4, value=1.0), batch_size=2, seq_len=8, dtype=dtype).params_matmul == padded_n
+
+
 def test_attention_term_comes_from_activation_matmuls_not_from_names():
     model = HandAttentionLM(vocab=64, d=16)
     step = cost(model, batch_size=2, seq_len=8)

@@ -19,7 +19,7 @@ from ppt import checkpoint as ckpt
 from ppt.common import PPTError
 from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.flops import Cost, cost
-from ppt.model import CONFIGS, OP_FORMULAS, LlamaConfig, build_model, get_config
+from ppt.model import CONFIGS, OP_FORMULAS, LlamaConfig, MultiscreenConfig, build_model, get_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -308,6 +308,29 @@ def test_multiscreen_sizes(psi):
         model = build_model(config)
     per_layer = psi * (2 * 16 * d + 3 * 64 * d) + 3 * psi
     assert sum(p.numel() for p in model.parameters()) == 49152 * d + psi * per_layer + 2
+
+
+def test_multiscreen_stream_padding_changes_no_number(monkeypatch):
+    """The stream's zero columns (d_model 36 stored 40 wide) give the loss and gradients of the unpadded model, and
+    the same N, MFU and comparison rule: only the matmuls' layout changes."""
+    model = fresh("multiscreen-tiny")
+    assert (model.config.d_model, model.config.d_stream) == (36, 40)
+    idx = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def computed() -> tuple:
+        model.zero_grad()
+        loss = model(idx, targets=idx.roll(-1, 1))
+        loss.backward()
+        step = cost(model, batch_size=2, seq_len=32, formulas=OP_FORMULAS)
+        rule = comparison_flops_rule(model, 32, OP_FORMULAS).state_dict()
+        grads = [p.grad.clone() for p in model.parameters()]
+        return loss.detach(), grads, (step.params_matmul, step.flops_per_token, step.attention_flops, rule)
+
+    padded = computed()
+    monkeypatch.setattr(MultiscreenConfig, "d_stream", property(lambda config: config.d_model))
+    unpadded = computed()
+    torch.testing.assert_close(padded[:2], unpadded[:2], rtol=1e-6, atol=1e-7)
+    assert padded[2] == unpadded[2]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
