@@ -309,6 +309,8 @@ def unit_rows(z: torch.Tensor) -> torch.Tensor:
 def pad_to(weight: torch.Tensor, width: int, dim: int = -1) -> torch.Tensor:
     """`weight` with zeros appended along `dim` up to `width` (ppt.flops counts its matmuls at the unpadded size)."""
     dim %= weight.dim()
+    if weight.shape[dim] == width:  # an aligned psi: no copy
+        return weight
     return F.pad(weight, (0, 0) * (weight.dim() - 1 - dim) + (0, width - weight.shape[dim]))
 
 
