@@ -147,9 +147,12 @@ def wrap_ddp(module: torch.nn.Module, rt: Runtime, find_unused_parameters: bool 
     )
 
 
-def shutdown_runtime() -> None:
+def shutdown_runtime(wait: bool = True) -> None:
+    """End the process group: after a barrier when the ranks finish together, without one after an error (peers may
+    never reach it). A process that exits with a gloo group still up can abort (SIGABRT) in its threads' teardown."""
     if dist.is_initialized():
-        dist.barrier()
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -292,4 +295,5 @@ def run_cli(main: Callable[[], object]) -> None:
         main()
     except PPTError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        shutdown_runtime(wait=False)
         sys.exit(2)

@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.loop()
         trainer.finish()
     finally:
+        shutdown_runtime(wait=False)  # stopped by an error: the process then exits with its message, not an abort
         release_locks()  # the output directory's and the run name's
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -169,7 +169,7 @@ def runs(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
             {"argv": signalled, "signal_rank1_in_step": SIGNAL_IN_STEP},
             {"argv": [*two, *blocks, "--out-dir", str(dirs["blocks"])]},
             {"argv": [*spare, "--config", "gpt2-spare"]},
-            {"argv": [*late, "--config", "gpt2-spare-late"]},  # last: it stops with an error, its group still up
+            {"argv": [*late, "--config", "gpt2-spare-late"]},  # last: it stops with an error
         ],
         "ports": free_ports(7),
     }
