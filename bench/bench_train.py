@@ -58,7 +58,8 @@ def config_names(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # no abbreviations: base_train's flags pass through whole (--device is no short --device-batch-size here)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument(
         "--config", type=config_names, default=[DEFAULT_CONFIG], help=f"comma list (default {DEFAULT_CONFIG})"
     )

@@ -134,10 +134,13 @@ def test_bench_train_measures_architectures_side_by_side(run_tool, tmp_path):
 
     names = [name for name in smallest_config_per_class() if name not in third_arch.CONFIGS]  # child processes
     argv = f"--config {','.join(names)} --seq-len 32 --device-batch-size 2 --steps 6 --vocab-size 512 --compile off"
-    code, out, err = run_tool("bench.bench_train", *argv.split(), "--out", str(tmp_path / "rows.json"))
+    # --device is base_train's: it passes through whole, not read as an abbreviation of --device-batch-size
+    code, out, err = run_tool(
+        "bench.bench_train", *argv.split(), "--device", "cpu", "--out", str(tmp_path / "rows.json")
+    )
     assert code == 0, err
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert [r["config"] for r in rows] == names
+    assert [r["config"] for r in rows] == names and all(r["base_train_flags"] == "--device cpu" for r in rows)
     table = out.split("| config |")[-1]
     for r in rows:
         assert r["comparison_tflops"] > 0 and f"| {r['config']} | off | on | {r['tok_per_s']:,.0f} |" in table
