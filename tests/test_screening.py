@@ -128,10 +128,11 @@ def test_op_gradcheck_float64():
     assert torch.autograd.gradcheck(op, (q, k, v, window, rho), fast_mode=True)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the output keeps it, as the fake says
+def test_opcheck(dtype):
     g = torch.Generator().manual_seed(6)
     meta = screening_metadata(random_doc_pos(2, 20, 6, g))
-    q, k, v = (x.requires_grad_() for x in random_inputs(2, 20, 4, 8, 8, dtype=torch.float32, seed=6))
+    q, k, v = (x.requires_grad_() for x in random_inputs(2, 20, 4, 8, 8, dtype=dtype, seed=6))
     args = (q, k, v, torch.tensor(WINDOWS).requires_grad_(), torch.tensor(RHOS).requires_grad_(), *meta)
     torch.library.opcheck(torch.ops.ppt.screening.default, args)
 

@@ -124,14 +124,14 @@ def screening_reference(
     _check_inputs(q, k, v, window, rho, meta, param_dtypes=(torch.float32, torch.float64))
     doc_start = meta[0]
     dtype = _compute_dtype(q)
-    q, k, v, window, rho = (t.to(dtype) for t in (q, k, v, window, rho))
+    qc, kc, vc, w, r = (t.to(dtype) for t in (q, k, v, window, rho))
     T = q.shape[1]
     chunks = []
     for i0 in range(0, T, _QUERY_CHUNK):
         i1 = min(i0 + _QUERY_CHUNK, T)
-        s, base, m, _ = _chunk_terms(q[:, i0:i1], k[:, :i1], window, rho, doc_start[:, i0:i1], i0)
+        s, base, m, _ = _chunk_terms(qc[:, i0:i1], kc[:, :i1], w, r, doc_start[:, i0:i1], i0)
         weights = base.clamp(min=0).square() * m
-        chunks.append(torch.einsum("bhij,bjhd->bihd", weights, v[:, :i1]))
+        chunks.append(torch.einsum("bhij,bjhd->bihd", weights, vc[:, :i1]))
     return torch.cat(chunks, dim=1).to(v.dtype)
 
 
