@@ -1,6 +1,6 @@
 """The gated output projection: the reference against the formula, the op's autograd (torch ops) and registrations,
-the Triton forward (in the CPU interpreter, and on CUDA when present) against float64, the cost formula, the
-fallback shapes."""
+the Triton forward (in the CPU interpreter, compiled for sm_90, and on CUDA when present) against float64, the cost
+formula, the fallback shapes."""
 
 import os
 import textwrap
@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from ppt.kernels.gated_output import COST_FORMULAS, gated_output, gated_output_reference, tanh_norm
+from ppt.kernels.gated_output import COST_FORMULAS, _kernel_shapes, gated_output, gated_output_reference, tanh_norm
 
 F64 = torch.float64
 
@@ -104,6 +104,47 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 
 def test_triton_forward_in_interpreter_matches_float64_reference(check_in_interpreter):
     check_in_interpreter(_INTERPRETER_SCRIPT.format(test_dir=os.path.dirname(os.path.abspath(__file__))), 3)
+
+
+# The shapes the kernel takes, compiled ahead of time for an H100/H200 (sm_90; no GPU needed): a launch whose shared
+# memory passes the GPU's 227 KB fails, and only a compile shows how much it asks.
+SM90_SHARED_MEMORY = 232448
+
+
+def sm90_shared_memory(dV, d, dtype):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ppt.kernels.gated_output_triton import _gated_output_kernel as kernel
+    from ppt.kernels.gated_output_triton import forward_blocks
+
+    rows, warps, stages = forward_blocks(d, dV, torch.empty((), dtype=dtype).element_size())
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    fp32 = dtype == torch.float32  # exact dots and tanh, as the kernel runs fp32 inputs
+    constants = dict(H=4, DV=dV, D=d, BLOCK_T=rows, PRECISION="ieee" if fp32 else "tf32", FAST=not fp32)
+    pointers = ("H_IN", "G", "W", "Y")
+    signature = {n: "constexpr" if n in constants else "*" + name if n in pointers else "i32" for n in kernel.arg_names}
+    # pointers and n_rows divisible by 16, as Triton specializes them at launch for these shapes
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in constants}
+    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True)
+    source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+
+# the largest tiles of w in each dtype at three stages and at two (dV = 64, the widest head, has the largest tiles of
+# h and g at each width)
+@pytest.mark.parametrize(
+    "dtype,d", [(torch.bfloat16, 256), (torch.bfloat16, 1024), (torch.float32, 128), (torch.float32, 512)]
+)
+def test_kernel_shapes_fit_sm90_shared_memory(dtype, d):
+    assert _kernel_shapes(*random_case(1, 2, 4, 64, d, dtype=dtype)[:3])
+    assert sm90_shared_memory(64, d, dtype) <= SM90_SHARED_MEMORY
+
+
+def test_larger_tiles_of_w_run_the_reference():
+    assert not _kernel_shapes(*random_case(1, 2, 4, 64, 1024, dtype=torch.float32)[:3])  # 256 KB
+    assert not _kernel_shapes(*random_case(1, 2, 4, 128, 256, dtype=torch.bfloat16)[:3])  # dV 128
 
 
 # ----------------------------------------------------------------------------------------------------------------------

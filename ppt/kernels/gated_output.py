@@ -14,8 +14,9 @@ never writes it; its backward is plain torch ops, which torch.compile fuses. Why
 Multiscreen-d16's micro-batch (bench_gated_output, docs/benchmarks.md): the kernel's forward takes 0.250 ms against
 0.370 for the compiled reference, and fwd+bwd 0.882 against 1.049; with a Triton backward that also kept dL/dp in
 registers, fwd+bwd took 1.458 ms. The kernel takes h and g in bf16, fp16 or fp32 (w cast to their dtype, as autocast
-casts a matmul's weight), head dims dV and model widths d that are powers of two from 16 to 256 and 16 to 1024; other
-shapes run the reference. ppt.flops traces the model on meta, where this is the reference.
+casts a matmul's weight), head dims dV and model widths d that are powers of two from 16 to 64 and 16 to 1024, a
+head's (dV, d) tile of w at most 128 KB (larger ones overflow an H100/H200's shared memory); other shapes run the
+reference. ppt.flops traces the model on meta, where this is the reference.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_KERNEL_DV = (16, 32, 64, 128, 256)
+_KERNEL_DV = (16, 32, 64)
 _KERNEL_D = (16, 32, 64, 128, 256, 512, 1024)
+_KERNEL_MAX_W_TILE = 128 * 1024  # bytes of one head's w, which the kernel pipelines through shared memory
 _EPS = 1e-8  # tanh_norm's floor on the norm
 
 
@@ -97,6 +99,7 @@ def _kernel_shapes(h: Tensor, g: Tensor, w: Tensor) -> bool:
         and w.shape[2] == h.shape[3]
         and h.shape[3] in _KERNEL_DV
         and w.shape[1] in _KERNEL_D
+        and h.shape[3] * w.shape[1] * h.element_size() <= _KERNEL_MAX_W_TILE
         and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and g.dtype == h.dtype
     )

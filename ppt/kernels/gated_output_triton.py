@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# (BLOCK_T rows, num_warps, num_stages): the fastest of bench_gated_output --sweep (f6f05c4; H200, torch 2.11, 0.250 ms)
+# (BLOCK_T rows, num_warps, num_stages): the fastest of bench_gated_output --sweep at d = 256 (f6f05c4; H200, torch
+# 2.11, 0.250 ms)
 FORWARD_BLOCKS = (128, 8, 3)
 _EPS = tl.constexpr(1e-8)  # tanh_norm's floor on the norm, as in the reference
 
@@ -74,11 +75,20 @@ def _precision(x: Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def forward_blocks(d: int, dv: int, element_size: int) -> tuple[int, int, int]:
+    """FORWARD_BLOCKS, with fewer rows for outputs wider than 256, so that the (rows, d) fp32 accumulator keeps to
+    32K elements (registers), and 2 stages where a head's (dv, d) tile of w passes 32 KB, so that the pipelined
+    tiles fit in shared memory (at FORWARD_BLOCKS, d = 1024 asked 464 KB of sm_90's 227 KB;
+    tests/test_gated_output.py compiles the tightest shapes)."""
+    rows, warps, stages = FORWARD_BLOCKS
+    return min(rows, 32768 // d), warps, stages if dv * d * element_size <= 32768 else 2
+
+
 def gated_output_forward(h: Tensor, g: Tensor, w: Tensor, blocks: tuple[int, int, int] | None = None) -> Tensor:
     """y (B, T, d) in h's dtype; h, g (B, T, H, dV) and w (H, d, dV) contiguous, one dtype, checked by the caller."""
     B, T, H, dV = h.shape
     d = w.shape[1]
-    block_t, warps, stages = blocks or FORWARD_BLOCKS
+    block_t, warps, stages = blocks or forward_blocks(d, dV, h.element_size())
     y = h.new_empty((B, T, d))
     n_rows = B * T
     if n_rows:
