@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# (BLOCK_T rows, num_warps, num_stages): the fastest of bench_gated_output --sweep at d = 256 (f6f05c4; H200, torch
-# 2.11, 0.250 ms)
+# (BLOCK_T rows, num_warps, num_stages): bench_gated_output --sweep's fastest at d = 256 (f6f05c4; H200, torch 2.11)
 FORWARD_BLOCKS = (128, 8, 3)
 _EPS = tl.constexpr(1e-8)  # tanh_norm's floor on the norm, as in the reference
 
@@ -76,10 +75,8 @@ def _precision(x: Tensor) -> str:
 
 
 def forward_blocks(d: int, dv: int, element_size: int) -> tuple[int, int, int]:
-    """FORWARD_BLOCKS, with fewer rows for outputs wider than 256, so that the (rows, d) fp32 accumulator keeps to
-    32K elements (registers), and 2 stages where a head's (dv, d) tile of w passes 32 KB, so that the pipelined
-    tiles fit in shared memory (at FORWARD_BLOCKS, d = 1024 asked 464 KB of sm_90's 227 KB;
-    tests/test_gated_output.py compiles the tightest shapes)."""
+    """FORWARD_BLOCKS with fewer rows past d = 256 (the fp32 (rows, d) accumulator keeps to 32K elements) and 2 stages
+    past a 32 KB tile of w: every shape fits sm_90's shared memory (tests/test_gated_output.py compiles the worst)."""
     rows, warps, stages = FORWARD_BLOCKS
     return min(rows, 32768 // d), warps, stages if dv * d * element_size <= 32768 else 2
 
