@@ -9,7 +9,9 @@
 Each variant runs `scripts.base_train --benchmark` in a fresh process on a synthetic data directory (uniform random
 tokens, documents of exponentially distributed length separated by EOT, a byte-level vocabulary of the config's
 size), so the numbers need no download. Prints one markdown row per variant and writes them as JSON with --out; a
-variant that failed shows its exit status in its row, and the tool then exits 2.
+variant that failed shows its exit status in its row, and the tool then exits 2. With several architectures (config
+classes) the final table sets each row's comparison TFLOP/s against the row of another architecture nearest it in
+parameters, with the same compile and document-mask settings: the per-FLOP rate at equal size.
 Flags this script does not know go to every base_train run (for example --compile-mode reduce-overhead,
 --loader-prefetch 0, --lr 1e-3).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -115,16 +118,33 @@ def main(argv: list[str] | None = None) -> None:
             if args.profile:
                 print("\n".join(line for line in stdout.splitlines() if not line.startswith(("step ", "benchmark "))))
             print(format_row(result), flush=True)
+    add_shares_of_nearest(results)
     print("\n| config | compile | doc masks | tok/s | comparison TFLOP/s | MFU | MFU (6N) | step s | data | optimizer "
-          "| peak GB |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+          "| peak GB | against the nearest other architecture |\n" + "|---" * 12 + "|")  # fmt: skip
     for r in results:
-        print(format_row(r))
+        share = r.get("share_of_nearest")
+        print(format_row(r) + (f" {100 * share['share']:.0f}% of {share['config']} |" if share else " - |"))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     failed = [f"--config {r['config']} --compile {r['compile']} --doc-masks {r['doc_masks']}" for r in results
               if "error" in r]  # fmt: skip
     if failed:
         raise PPTError(f"{len(failed)} of {len(results)} variants failed ({'; '.join(failed)}); their output is above")
+
+
+def add_shares_of_nearest(results: list[dict]) -> None:
+    """Give each measured row "share_of_nearest": its comparison TFLOP/s over that of the measured row of another
+    config class nearest it in parameters (by ratio), with the same compile and document-mask settings."""
+    measured = [r for r in results if "error" not in r]
+    for r in measured:
+        others = [
+            o for o in measured
+            if type(get_config(o["config"])) is not type(get_config(r["config"]))
+            and (o["compile"], o["doc_masks"]) == (r["compile"], r["doc_masks"])
+        ]  # fmt: skip
+        if others:
+            o = min(others, key=lambda o: abs(math.log(o["params"] / r["params"])))
+            r["share_of_nearest"] = {"config": o["config"], "share": r["comparison_tflops"] / o["comparison_tflops"]}
 
 
 def format_row(r: dict) -> str:

@@ -144,3 +144,33 @@ def test_bench_train_measures_architectures_side_by_side(run_tool, tmp_path):
     table = out.split("| config |")[-1]
     for r in rows:
         assert r["comparison_tflops"] > 0 and f"| {r['config']} | off | on | {r['tok_per_s']:,.0f} |" in table
+        (other,) = [o for o in rows if o is not r]  # one config a class: the other architecture's is the nearest
+        share = r["comparison_tflops"] / other["comparison_tflops"]
+        assert r["share_of_nearest"] == {"config": other["config"], "share": share}
+        assert f" {100 * share:.0f}% of {other['config']} |" in table.split(f"| {r['config']} |")[1].splitlines()[0]
+
+
+def test_bench_train_sets_each_row_against_the_other_architecture_nearest_in_parameters():
+    from bench.bench_train import add_shares_of_nearest
+
+    def row(config, params, tflops, compile="on"):
+        return {"config": config, "params": params, "comparison_tflops": tflops, "compile": compile, "doc_masks": "on"}
+
+    rows = [
+        row("d4", 5.3e6, 100.0),
+        row("d8", 30e6, 200.0),
+        row("multiscreen-d11", 4.3e6, 50.0),
+        row("multiscreen-d19", 32e6, 150.0),
+        row("multiscreen-d21", 40e6, 10.0, compile="off"),  # no vanilla row compiled off: none to set it against
+        {"config": "d6", "compile": "on", "doc_masks": "on", "error": "exit 2"},  # failed: neither side
+    ]
+    add_shares_of_nearest(rows)
+    shares = {r["config"]: r.get("share_of_nearest") for r in rows}
+    assert shares == {
+        "d4": {"config": "multiscreen-d11", "share": 2.0},
+        "d8": {"config": "multiscreen-d19", "share": 200 / 150},
+        "multiscreen-d11": {"config": "d4", "share": 0.5},
+        "multiscreen-d19": {"config": "d8", "share": 0.75},
+        "multiscreen-d21": None,
+        "d6": None,
+    }
