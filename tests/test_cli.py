@@ -65,6 +65,7 @@ FROZEN = {
     "bench.bench_optimizer": ["--baseline-optim"],
     "bench.bench_cross_entropy": ["--tokens", "--sweep"],
     "bench.bench_train": ["--config", "--steps", "--compile", "--nproc", "--profile"],
+    "bench.count_launches": ["--config"],
     "bench.check_hf_import": ["--hf-dir", "--max-bpb"],
 }
 
