@@ -37,16 +37,19 @@ def test_kernels_count_once_under_the_op_that_launched_them():
     ]
     report = kernel_time_by_kind(SimpleNamespace(events=lambda: events), steps=2, wall=0.002, largest=3)
     lines = report.splitlines()
-    assert lines[0] == "kernels 1.6 ms per iteration (80.0% of the wall time)"
+    assert lines[0] == "kernels 1.6 ms per iteration (80.0% of the wall time), 6 launches"
     header = lines.index("the 3 largest kernels (ms and launches per iteration, kind, name):")
-    kinds = {kind.strip(): float(ms) for kind, ms, _, _ in (line.rsplit(None, 3) for line in lines[1:header])}
-    assert kinds == {
-        "matmul": 0.4,
-        "ppt::screening (custom op)": 0.2,
-        "ppt::screening_backward (custom op)": 0.2,
-        "communication": 0.1,
-        "fused elementwise (inductor)": 0.6,
-        "optimizer": 0.1,
+    kinds = {
+        kind.strip(): (float(ms), float(launches))
+        for kind, ms, _, _, launches, _ in (line.rsplit(None, 5) for line in lines[1:header])
+    }
+    assert kinds == {  # (ms, launches) per iteration of the two recorded
+        "matmul": (0.4, 1.0),
+        "ppt::screening (custom op)": (0.2, 0.5),
+        "ppt::screening_backward (custom op)": (0.2, 1.0),
+        "communication": (0.1, 0.5),
+        "fused elementwise (inductor)": (0.6, 2.0),
+        "optimizer": (0.1, 1.0),
     }
     assert lines[header + 1 :] == [
         "      0.40 ms    1.0x  fused elementwise (inductor): triton_poi_fused_mul_silu_0",
