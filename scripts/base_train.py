@@ -180,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--compile-mode",
-        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"],
-        default="default",
-        help="torch.compile's mode for the training step (reduce-overhead: CUDA graphs)",
+        choices=["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"],
+        default="auto",
+        help="torch.compile's mode for the training step. auto: reduce-overhead (the step replayed from CUDA graphs) "
+        "when one CUDA GPU trains, else default (DDP, CPU, MPS)",
     )
     g.add_argument("--loader-prefetch", type=nonneg_int, default=2, help="batches built ahead in a thread (0: none)")
     g.add_argument("--deterministic", action="store_true", help="deterministic kernels only: bitwise repeatable runs")
@@ -347,6 +348,7 @@ class Trainer:
         self.data_seed = args.seed if args.data_seed is None else args.data_seed
         self.model_seed = args.seed if args.model_seed is None else args.model_seed
         self.use_compile = compile_enabled(args.compile, rt.device)
+        self.compile_mode = compile_mode(args.compile_mode, rt)
         self.lr = args.lr or DEFAULT_LR[args.optimizer]
 
     # ---- phase 2: model, optimizer, data, output directory, and the state a resume brings ------------------------
@@ -464,11 +466,11 @@ class Trainer:
                 "would not continue. Resume with the settings it recorded, or start a new run"
             )
         s = self.settings
-        compiled = torch.compile(self.model, mode=args.compile_mode) if self.use_compile else self.model
+        compiled = torch.compile(self.model, mode=self.compile_mode) if self.use_compile else self.model
         self.eval_model = self.train_model = compiled
         if rt.distributed:
             self.train_model = wrap_ddp(compiled, rt, find_unused_parameters=s.ddp_find_unused_parameters)
-        self.keep_grads = self.use_compile and args.compile_mode in CUDA_GRAPH_MODES
+        self.keep_grads = self.use_compile and self.compile_mode in CUDA_GRAPH_MODES
         if self.keep_grads:  # under CUDA graphs every .grad is allocated once and zeroed, not freed (allocate_grads)
             allocate_grads(self.model)
 
@@ -550,7 +552,7 @@ class Trainer:
             last_step=min(steps, args.max_steps or steps),  # --max-steps stops early; the schedule is unchanged
             target_tokens=target, budget=budget, doc_masks=not args.no_doc_masks, deterministic=args.deterministic,
             seed=args.seed, data_seed=self.data_seed, model_seed=self.model_seed, dtype=str(rt.dtype),
-            compile=self.use_compile, compile_mode=args.compile_mode if self.use_compile else None,
+            compile=self.use_compile, compile_mode=self.compile_mode if self.use_compile else None,
             loader_prefetch=args.loader_prefetch, skip_nonfinite=args.skip_nonfinite, eval_every=args.eval_every,
             eval_tokens=int(args.eval_tokens), recipe=args.recipe,
             ddp_find_unused_parameters=rt.distributed and self.unused_parameters(),
@@ -870,6 +872,15 @@ class Measurement:
             summary["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         print0("benchmark " + json.dumps(summary))
         return True
+
+
+def compile_mode(choice: str, rt: Runtime) -> str:
+    """--compile-mode with auto resolved: CUDA graphs (reduce-overhead) when one CUDA GPU trains, which take the host
+    out of a small model's step (2.2-2.7x the tokens/s at the study's shapes, docs/benchmarks.md); the default mode
+    under DDP (its gradient all-reduce hooks with CUDA graphs are untested here) and off CUDA."""
+    if choice != "auto":
+        return choice
+    return "reduce-overhead" if rt.device.type == "cuda" and not rt.distributed else "default"
 
 
 def allocate_grads(model: torch.nn.Module) -> None:

@@ -1,11 +1,13 @@
-"""Training steps replayed from CUDA graphs (--compile-mode reduce-overhead) accumulate the eager gradients."""
+"""Training steps replayed from CUDA graphs (--compile-mode reduce-overhead, what auto picks on one GPU) accumulate the
+eager gradients."""
 
 import pytest
 import torch
 from architectures import fresh, smallest_config_per_class
 from torch._dynamo.utils import counters
 
-from scripts.base_train import allocate_grads
+from ppt.common import Runtime
+from scripts.base_train import allocate_grads, compile_mode
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -31,3 +33,14 @@ def test_cuda_graph_steps_accumulate_the_eager_gradients_on_gpu(name):
     assert counters["inductor"]["cudagraph_skips"] == 0, "the compiled step did not replay from CUDA graphs"
     for step, (ours, ref) in enumerate(zip(graphed, eager)):
         assert ((ours - ref).norm() / ref.norm()).item() <= 1e-4, f"step {step + 1}"
+
+
+def test_auto_compile_mode_replays_cuda_graphs_on_one_gpu_only():
+    def on(device: str, world_size: int) -> Runtime:
+        return Runtime(0, 0, world_size, torch.device(device), torch.bfloat16)
+
+    assert compile_mode("auto", on("cuda", 1)) == "reduce-overhead"
+    assert compile_mode("auto", on("cuda", 8)) == "default"  # DDP
+    assert compile_mode("auto", on("cpu", 1)) == compile_mode("auto", on("mps", 1)) == "default"
+    assert compile_mode("default", on("cuda", 1)) == "default"  # a mode given is kept
+    assert compile_mode("max-autotune", on("cpu", 1)) == "max-autotune"
