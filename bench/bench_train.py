@@ -12,7 +12,7 @@ size), so the numbers need no download. Prints one markdown row per variant and 
 variant that failed shows its exit status in its row, and the tool then exits 2. With several architectures (config
 classes) the final table sets each row's comparison TFLOP/s against the row of another architecture nearest it in
 parameters, with the same compile and document-mask settings: the per-FLOP rate at equal size.
-Flags this script does not know go to every base_train run (for example --compile-mode reduce-overhead,
+Flags this script does not know go to every base_train run (for example --compile-mode default,
 --loader-prefetch 0, --lr 1e-3).
 """
 
