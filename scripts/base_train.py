@@ -876,7 +876,7 @@ class Measurement:
 
 def compile_mode(choice: str, rt: Runtime) -> str:
     """--compile-mode with auto resolved: CUDA graphs (reduce-overhead) when one CUDA GPU trains, which take the host
-    out of a small model's step (2.2-2.7x the tokens/s at the study's shapes, docs/benchmarks.md); the default mode
+    out of a small model's step (1.0-2.7x the tokens/s at the study's shapes, docs/benchmarks.md); the default mode
     under DDP (its gradient all-reduce hooks with CUDA graphs are untested here) and off CUDA."""
     if choice != "auto":
         return choice
