@@ -18,7 +18,6 @@ import re
 from dataclasses import replace
 
 import torch
-from torch._inductor.utils import run_and_get_code
 
 from bench.bench_train import config_names
 from ppt.common import ArgumentParser, run_cli
@@ -34,6 +33,8 @@ VOCAB_SIZE, SEQ_LEN = 512, 128
 
 def count_launches(name: str) -> dict[str, int]:
     """{kind: calls} in the code Inductor generates for one compiled forward and backward of the config `name`."""
+    from torch._inductor.utils import run_and_get_code  # importing Inductor makes its cache directory: not on --help
+
     torch.manual_seed(0)
     model = build_model(replace(get_config(name), vocab_size=VOCAB_SIZE, max_seq_len=SEQ_LEN))
     model.init_weights()

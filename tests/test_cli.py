@@ -96,6 +96,8 @@ def help_places(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def help_texts(help_places) -> dict[str, dict]:
     env = {**os.environ, **{name: str(place) for name, place in help_places.items()}}
+    # torch.compile in this process sets TORCHINDUCTOR_CACHE_DIR, which would hide a cache made under TMPDIR
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     out = subprocess.run([sys.executable, "-c", HELP_ALL, *FROZEN], capture_output=True, text=True, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
