@@ -26,6 +26,9 @@ KERNEL_KINDS = [
 CUSTOM_OP = re.compile(r"^ppt::")  # the custom ops of ppt/kernels/ (and any a model registers under ppt::)
 OPTIMIZER_STEP = "Optimizer.step"  # the range torch.optim records around every optimizer's step()
 AUTOGRAD_ENGINE = "autograd::engine::evaluate_function"  # the autograd engine's range around each backward node
+COMPILED_REGION = "Torch-Compiled Region"  # the range torch.compile records around a compiled call
+STEP_RANGE = "ProfilerStep"  # the range the profiler records around each iteration (ProfilerStep#N, or *)
+NO_OP = "no op (the loop's own Python)"
 
 
 class StepProfiler:
@@ -73,7 +76,7 @@ class StepProfiler:
         print(f"wall time per iteration: {1000 * wall:.1f} ms over {self.steps} recorded", flush=True)
         if self.cuda:
             print(kernel_time_by_kind(prof, self.steps, wall), flush=True)
-            print(gpu_idle_by_phase(prof, self.steps), flush=True)
+            print(gpu_idle_by_host_activity(prof, self.steps), flush=True)
 
 
 def enclosing_ops(event: object) -> Iterator[object]:
@@ -127,23 +130,24 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 1
     return "\n".join(lines)
 
 
-def kernel_phase(event: object) -> str:
-    """The part of a training step whose CPU op (or an op around it) launched a kernel: the optimizer's step, the
-    backward (ops the autograd engine runs), or the rest (forward, loss, gradient clipping, copies)."""
-    for op in enclosing_ops(event):
-        if op.name.startswith(OPTIMIZER_STEP):
-            return "optimizer"
-        if op.name.startswith(AUTOGRAD_ENGINE):
-            return "backward"
-    return "forward and the rest"
+def host_activity(op: object) -> str:
+    """What an outermost host op was: the optimizer's step, a node of the backward, a compiled region (the compiled
+    forward, or its CUDA-graph replay), else the op's own name."""
+    if op.name.startswith(OPTIMIZER_STEP):
+        return "optimizer step"
+    if op.name.startswith(AUTOGRAD_ENGINE):
+        return "backward (autograd engine)"
+    if op.name.startswith(COMPILED_REGION):
+        return "compiled region (forward, graph replay)"
+    return op.name
 
 
-def gpu_idle_by_phase(prof: profile, steps: int, min_gap_us: float = 5.0) -> str:
-    """Time per iteration in which no kernel ran (gaps from min_gap_us, the spacing of back-to-back launches), by the
-    phase of the kernel that ended each gap: where the GPU waited for the host (upper bounds: the profiler slows it)."""
-    # a device event links to the CPU op that launched it by correlation id; those ops are the ones holding kernels
+def gpu_idle_by_host_activity(prof: profile, steps: int, min_gap_us: float = 5.0, largest: int = 6) -> str:
+    """Time per iteration in which no kernel ran (gaps from min_gap_us, the spacing of back-to-back launches), split by
+    what the host was doing meanwhile: the outermost op on the loop's thread or the backward's, or none (the loop's
+    own Python). Matched by time alone: kernels replayed from a CUDA graph name no launching op, and torch 2.11's
+    profiler linked no kernel to its op. Upper bounds: the profiler slows the host."""
     events = prof.events()
-    launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}
     # not the GPU-side ranges of annotations (ProfilerStep#N, Optimizer.step...): each spans its whole region and
     # would hide every gap inside it
     kernels = sorted(
@@ -156,22 +160,42 @@ def gpu_idle_by_phase(prof: profile, steps: int, min_gap_us: float = 5.0) -> str
     )
     if not kernels:
         return "no kernels recorded"
-    idle: Counter = Counter()
-    gaps = 0
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    # the loop's thread (the one stepping the profiler) and the autograd engine's (a device thread on CUDA); the
+    # loader's threads work ahead of the step, not in its way
+    threads = {e.thread for e in host if e.name.startswith((STEP_RANGE, AUTOGRAD_ENGINE))}
+    outermost = sorted(
+        (e for e in host if e.thread in threads and not e.name.startswith(STEP_RANGE)
+         and (e.cpu_parent is None or e.cpu_parent.name.startswith(STEP_RANGE))),
+        key=lambda e: e.time_range.start,
+    )  # fmt: skip
+    idle: Counter = Counter()  # microseconds over the recorded iterations
+    gaps = first_open = 0  # the ops before first_open ended before the gaps still to come
     busy_until = kernels[0].time_range.end
     for kernel in kernels[1:]:
-        if kernel.time_range.start - busy_until >= min_gap_us:
-            launch = launches.get(getattr(kernel, "linked_correlation_id", None))
-            phase = kernel_phase(launch) if launch else "kernels with no launching op recorded"
-            idle[phase] += (kernel.time_range.start - busy_until) / 1e3 / steps
+        start, end = busy_until, kernel.time_range.start
+        if end - start >= min_gap_us:
             gaps += 1
+            while first_open < len(outermost) and outermost[first_open].time_range.end <= start:
+                first_open += 1
+            covered, in_ops = start, 0.0  # each microsecond counts once, for the op that began first
+            for op in outermost[first_open:]:
+                if op.time_range.start >= end:
+                    break
+                overlap = min(end, op.time_range.end) - max(covered, op.time_range.start)
+                if overlap > 0:
+                    idle[host_activity(op)] += overlap
+                    in_ops += overlap
+                    covered = min(end, op.time_range.end)
+            idle[NO_OP] += end - start - in_ops
         busy_until = max(busy_until, kernel.time_range.end)
     span = (busy_until - kernels[0].time_range.start) / 1e3 / steps
-    total = sum(idle.values())
+    total = sum(idle.values()) / 1e3 / steps
     lines = [
         f"GPU idle {total:.1f} ms per iteration of {span:.1f} ms from first to last kernel ({gaps / steps:.0f} gaps "
-        f"of {min_gap_us:g} us or more an iteration), by the phase each gap ended in:"
+        f"of {min_gap_us:g} us or more an iteration); the host meanwhile, in its outermost ops:"
     ]
-    for phase, ms in sorted(idle.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  before {phase:34s} {ms:8.1f} ms")
+    in_ops = sorted(((name, us) for name, us in idle.items() if name != NO_OP), key=lambda kv: -kv[1])
+    rows = [(NO_OP, idle[NO_OP]), *in_ops[:largest], ("other ops", sum(us for _, us in in_ops[largest:]))]
+    lines += [f"  {name[:48]:48s} {us / 1e3 / steps:8.2f} ms" for name, us in rows]
     return "\n".join(lines)

@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from ppt.profiling import gpu_idle_by_phase, kernel_time_by_kind
+from ppt.profiling import gpu_idle_by_host_activity, kernel_time_by_kind
 
 
 def op(name: str, parent=None, kernels=(), device: DeviceType = DeviceType.CPU) -> SimpleNamespace:
@@ -58,42 +58,45 @@ def test_kernels_count_once_under_the_op_that_launched_them():
     ]
 
 
-def kernel(name: str, start: float, end: float, launched_by: int, annotation: bool = False) -> SimpleNamespace:
-    """A device event: a kernel's interval in microseconds and the correlation id of the CPU op that launched it (or,
-    `annotation`, the GPU-side range of a CPU annotation such as ProfilerStep#N)."""
+def kernel(name: str, start: float, end: float, annotation: bool = False) -> SimpleNamespace:
+    """A device event: a kernel's interval in microseconds (or, `annotation`, the GPU-side range of a CPU annotation
+    such as ProfilerStep#N)."""
     interval = SimpleNamespace(start=start, end=end)
-    return SimpleNamespace(
-        name=name,
-        device_type=DeviceType.CUDA,
-        time_range=interval,
-        linked_correlation_id=launched_by,
-        is_user_annotation=annotation,
-    )
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=interval, is_user_annotation=annotation)
 
 
-def launch(name: str, parent, correlation_id: int) -> SimpleNamespace:
-    event = op(name, parent, [("k", 1)])
-    event.id = correlation_id
+def host(name: str, start: float, end: float, thread: int, parent=None) -> SimpleNamespace:
+    """A CPU op or range on a host thread, in microseconds."""
+    event = op(name, parent)
+    event.thread, event.time_range = thread, SimpleNamespace(start=start, end=end)
     return event
 
 
-def test_gpu_idle_is_split_by_the_phase_of_the_kernel_after_each_gap():
-    step = op("ProfilerStep#3")
-    engine = op("autograd::engine::evaluate_function: CompiledFunctionBackward")
-    optimizer = op("Optimizer.step#HybridOptimizer.step", step)
-    fwd, bwd, opt = launch("aten::mm", step, 1), launch("aten::mm", engine, 2), launch("aten::add_", optimizer, 3)
-    events = [step, engine, optimizer, fwd, bwd, opt,
-              kernel("f", 0, 100, 1), kernel("f", 102, 200, 1),  # 2 us apart: back-to-back launches, not idle
-              kernel("b", 800, 900, 2),  # 600 us idle before the backward
-              kernel("b", 850, 1000, 2),  # overlapping kernels (two streams): no gap
-              kernel("o", 2000, 2100, 3), kernel("o", 2500, 2600, 3),  # 1000 + 400 us before optimizer kernels
-              kernel("f", 2800, 3000, 1),  # 200 us before the next forward
-              kernel("?", 3200, 3260, 99),  # 200 us, launched by no recorded op
-              kernel("ProfilerStep#3", 0, 3260, 0, annotation=True)]  # its GPU-side range, no kernel  # fmt: skip
-    report = gpu_idle_by_phase(SimpleNamespace(events=lambda: events), steps=2).splitlines()
-    # totals away from a rounding tie: Python 3.12's compensated sum() would round a 1.15 one way, 3.11's the other
-    assert report[0].startswith("GPU idle 1.2 ms per iteration of 1.6 ms from first to last kernel (2 gaps")
-    idle = {line.split("before ")[1].rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in report[1:]}
-    assert idle == {"optimizer": 0.7, "backward": 0.3, "forward and the rest": 0.1,
-                    "kernels with no launching op recorded": 0.1}  # fmt: skip
-    assert gpu_idle_by_phase(SimpleNamespace(events=lambda: [step]), steps=1) == "no kernels recorded"
+def test_gpu_idle_is_split_by_what_the_host_did_meanwhile():
+    step = host("ProfilerStep#3", 0, 4000, thread=1)
+    optimizer = host("Optimizer.step#AdamW.step", 900, 1500, thread=1, parent=step)
+    events = [
+        step,
+        optimizer,
+        host("aten::_fused_adamw_", 950, 1400, thread=1, parent=optimizer),  # inside the step's range: not outermost
+        host("Torch-Compiled Region: 0/0", 1500, 2100, thread=1, parent=step),
+        host("autograd::engine::evaluate_function: CompiledFunctionBackward", 2500, 2800, thread=2),  # its own thread
+        host("aten::_local_scalar_dense", 3000, 3100, thread=1, parent=step),
+        host("aten::copy_", 0, 4000, thread=3),  # a loader thread: ahead of the step, not in its way
+        kernel("f", 0, 800),
+        kernel("f", 1600, 2400),  # 800 us idle: 100 in no op, 600 in the optimizer, 100 in the compiled region
+        kernel("b", 2402, 2450),  # 2 us apart: back-to-back launches, not idle
+        kernel("b", 2420, 2440),  # overlapping kernels (two streams): no gap
+        kernel("o", 2900, 3000),  # 450 us idle: 300 while the backward ran, 150 in no op
+        kernel("o", 3050, 3200),  # 50 us idle in the host's copy of a value
+        kernel("ProfilerStep#3", 0, 3200, annotation=True),  # its GPU-side range, no kernel
+    ]
+    report = gpu_idle_by_host_activity(SimpleNamespace(events=lambda: events), steps=1, largest=2).splitlines()
+    assert report[0] == (
+        "GPU idle 1.3 ms per iteration of 3.2 ms from first to last kernel (3 gaps of 5 us or more an iteration); "
+        "the host meanwhile, in its outermost ops:"
+    )
+    idle = {line[:50].strip(): float(line.split()[-2]) for line in report[1:]}
+    assert idle == {"no op (the loop's own Python)": 0.25, "optimizer step": 0.6, "backward (autograd engine)": 0.3,
+                    "other ops": 0.15}  # fmt: skip
+    assert gpu_idle_by_host_activity(SimpleNamespace(events=lambda: [step]), steps=1) == "no kernels recorded"
