@@ -195,7 +195,7 @@ def gpu_idle_by_host_activity(prof: profile, steps: int, min_gap_us: float = 5.0
         f"GPU idle {total:.1f} ms per iteration of {span:.1f} ms from first to last kernel ({gaps / steps:.0f} gaps "
         f"of {min_gap_us:g} us or more an iteration); the host meanwhile, in its outermost ops:"
     ]
-    in_ops = sorted(((name, us) for name, us in idle.items() if name != NO_OP), key=lambda kv: -kv[1])
-    rows = [(NO_OP, idle[NO_OP]), *in_ops[:largest], ("other ops", sum(us for _, us in in_ops[largest:]))]
+    by_op = sorted(((name, us) for name, us in idle.items() if name != NO_OP), key=lambda kv: -kv[1])
+    rows = [(NO_OP, idle[NO_OP]), *by_op[:largest], ("other ops", sum(us for _, us in by_op[largest:]))]
     lines += [f"  {name[:48]:48s} {us / 1e3 / steps:8.2f} ms" for name, us in rows]
     return "\n".join(lines)
