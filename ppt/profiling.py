@@ -26,9 +26,12 @@ KERNEL_KINDS = [
 CUSTOM_OP = re.compile(r"^ppt::")  # the custom ops of ppt/kernels/ (and any a model registers under ppt::)
 OPTIMIZER_STEP = "Optimizer.step"  # the range torch.optim records around every optimizer's step()
 AUTOGRAD_ENGINE = "autograd::engine::evaluate_function"  # the autograd engine's range around each backward node
-COMPILED_REGION = "Torch-Compiled Region"  # the range torch.compile records around a compiled call
 STEP_RANGE = "ProfilerStep"  # the range the profiler records around each iteration (ProfilerStep#N, or *)
 NO_OP = "no op (the loop's own Python)"
+# what an outermost host op is, by the range around it (torch.compile records "Torch-Compiled Region" around a
+# compiled call: the compiled forward, or its CUDA-graph replay); any other op goes by its own name
+HOST_ACTIVITIES = {OPTIMIZER_STEP: "optimizer step", AUTOGRAD_ENGINE: "backward (autograd engine)",
+                   "Torch-Compiled Region": "compiled region (forward, graph replay)"}  # fmt: skip
 
 
 class StepProfiler:
@@ -130,18 +133,6 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 1
     return "\n".join(lines)
 
 
-def host_activity(op: object) -> str:
-    """What an outermost host op was: the optimizer's step, a node of the backward, a compiled region (the compiled
-    forward, or its CUDA-graph replay), else the op's own name."""
-    if op.name.startswith(OPTIMIZER_STEP):
-        return "optimizer step"
-    if op.name.startswith(AUTOGRAD_ENGINE):
-        return "backward (autograd engine)"
-    if op.name.startswith(COMPILED_REGION):
-        return "compiled region (forward, graph replay)"
-    return op.name
-
-
 def gpu_idle_by_host_activity(prof: profile, steps: int, min_gap_us: float = 5.0, largest: int = 6) -> str:
     """Time per iteration in which no kernel ran (gaps from min_gap_us, the spacing of back-to-back launches), split by
     what the host was doing meanwhile: the outermost op on the loop's thread or the backward's, or none (the loop's
@@ -184,7 +175,8 @@ def gpu_idle_by_host_activity(prof: profile, steps: int, min_gap_us: float = 5.0
                     break
                 overlap = min(end, op.time_range.end) - max(covered, op.time_range.start)
                 if overlap > 0:
-                    idle[host_activity(op)] += overlap
+                    activity = next((a for prefix, a in HOST_ACTIVITIES.items() if op.name.startswith(prefix)), op.name)
+                    idle[activity] += overlap
                     in_ops += overlap
                     covered = min(end, op.time_range.end)
             idle[NO_OP] += end - start - in_ops
