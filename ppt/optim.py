@@ -245,7 +245,8 @@ def build_optimizer(
             group |= dict(algorithm="adamw", lr=rate, betas=BETAS, eps=EPS)
         groups.append(group | dict(initial_lr=group["lr"]))
     if name == "adamw":
-        fused = all(p.is_cuda for g in groups for p in g["params"])
+        # fused: one kernel per group, and a found_inf flag that skips a step on the device (scripts/base_train.py)
+        fused = all(p.device.type in ("cuda", "cpu") for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, fused=fused or None)
     return HybridOptimizer(groups, lr=lr, compile=compile)
 

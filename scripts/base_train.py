@@ -279,6 +279,20 @@ def main(argv: list[str] | None = None) -> None:
             torch.use_deterministic_algorithms(deterministic)
 
 
+@dataclasses.dataclass
+class QueuedStep:
+    """A step whose forward and backward are queued: its loss and gradient norm (on the device, or on their way to
+    the host once `copied` has passed), its document-position counts, the comparison rule they are booked by, its
+    learning rate and its seconds spent waiting for data."""
+
+    stats: torch.Tensor
+    counts: np.ndarray
+    rule: ComparisonFlops
+    lr: float
+    data_time: float
+    copied: torch.cuda.Event | None = None
+
+
 class Trainer:
     """One run in five phases: resolve the settings (every check that needs no model), build what they need (model,
     optimizer, data, output directory, a resumed state), plan the budget and start the record, then the loop and
@@ -364,6 +378,9 @@ class Trainer:
         self.optimizer = build_optimizer(
             self.model, args.optimizer, lr=self.lr, weight_decay=args.weight_decay, compile=self.use_compile
         )
+        # fused AdamW takes a found_inf flag and skips the step on the device: the loop then reads each step late
+        fused = isinstance(self.optimizer, torch.optim.AdamW) and self.optimizer.defaults["fused"]
+        self.skips_on_device = bool(fused) and not rt.distributed
         self.train_loader = DataLoader(
             self.data_dir, "train", self.device_batch, self.seq_len, rt.rank, rt.world_size, self.data_seed,
             rt.device, expected_fingerprint=self.tokenizer.fingerprint, prefetch=args.loader_prefetch,
@@ -608,55 +625,43 @@ class Trainer:
 
     # ---- phase 4: the loop --------------------------------------------------------------------------------------
     def loop(self) -> None:
-        """One host sync per step, after backward, and none at its end: the host queues the next step while the GPU
-        runs this one's optimizer. The step time is the time between consecutive syncs."""
+        """One host sync per step, when the host reads a step's loss and gradient norm. Where the optimizer skips a
+        non-finite step on the device (fused AdamW, one process) the host reads each step one step late: it queues
+        step n + 1 before it waits for step n, so the GPU does not idle while the host logs, steps the optimizer and
+        launches the next forward (+12-17% tok/s at the study's shapes on one H200, docs/benchmarks.md). A step due
+        for an evaluation or a save is read at once. The step time is the time between consecutive reads."""
         args, s = self.args, self.settings
         self.train_iter = iter(self.train_loader)
         self.last_saved, self.stopping = self.step, 0
         self.last_sync = time.perf_counter()
-        while self.step < s.last_step:
-            self.measure.before_step(self.step)
+        in_flight: QueuedStep | None = None  # queued and updated on the device, not yet read
+        while (step := self.step + (in_flight is not None)) < s.last_step:  # the 0-based index of the step to queue
+            self.measure.before_step(step)
             if self.stop_signal and not self.rt.distributed:  # a lone process stops before it starts another step
                 self.stopping = self.stop_signal[0]
                 break
-            if self.step % RULE_REFRESH_STEPS == 0 and self.step != self.rule_step:  # learned windows move
-                self.rule, self.rule_step = self.rule.refreshed(self.model, OP_FORMULAS), self.step
+            if step % RULE_REFRESH_STEPS == 0 and step != self.rule_step:  # learned windows move
+                self.rule, self.rule_step = self.rule.refreshed(self.model, OP_FORMULAS), step
                 self.last_sync = time.perf_counter()  # the refresh's time is not the step's
-            set_lr(self.optimizer, lr_multiplier(self.step, s.steps, s.warmup_steps, s.schedule, s.decay_frac))
-            loss, norm, finite, counts, data_time = self.forward_backward()
-            now = time.perf_counter()
-            dt, self.last_sync = now - self.last_sync, now
-            if self.step == self.start_step:
-                # What torch.compile built in this first step lives all run. Freezing takes it out of the garbage
-                # collector's full scans, which otherwise pause the host whenever they run (260 ms with a compiled
-                # 32-layer model alive, on a 2-core CPU): under DDP one rank's pause holds up every rank.
-                freeze_gc()
-                self.first_sync = now
-            if not finite:  # no update, evaluation or save for this step
-                self.skip_step(loss)
-                if self.stopping:
-                    break
-                continue
-            self.measure.optimizer_step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=not self.keep_grads)
-            self.step += 1
-            self.tokens_seen += s.total_batch_tokens
-            self.comparison_flops += self.rule.step_flops(counts)
-            self.log_step(loss, norm, dt, data_time, now)
+            set_lr(self.optimizer, lr_multiplier(step, s.steps, s.warmup_steps, s.schedule, s.decay_frac))
+            queued = self.forward_backward()
+            if not self.skips_on_device:
+                self.settle(queued)
+            else:
+                self.step_on_device(queued, step + 1)
+                if in_flight:
+                    self.settle(in_flight)
+                in_flight = queued
+                if self.due(args.eval_every, step + 1) or self.due(args.save_every, step + 1) or self.stopping:
+                    self.settle(in_flight)
+                    in_flight = None
             if self.stopping:
                 break
-            if args.eval_every and self.step % args.eval_every == 0 and self.step < s.last_step:
-                self.evaluate()
-                self.last_sync = time.perf_counter()  # evaluation time is not the next step's
-            if args.save_every and self.step % args.save_every == 0 and self.step < s.last_step:
-                self.save()
-                self.last_sync = time.perf_counter()
-            if self.step % 50 == 0:
-                self.write_record()
+        if in_flight:
+            self.settle(in_flight)
 
-    def forward_backward(self) -> tuple[float, float, bool, np.ndarray, float]:
-        """The step's micro-batches and its one host sync: (loss, gradient norm, both finite, the document-position
-        counts of every rank's tokens, seconds spent waiting for data)."""
+    def forward_backward(self) -> QueuedStep:
+        """The step's micro-batches, queued: its loss and gradient norm stay on the device."""
         loss_sum = torch.zeros((), device=self.rt.device)
         data_time = 0.0
         for micro in range(self.grad_accum):
@@ -676,14 +681,64 @@ class Trainer:
             loss_sum += loss.detach()
         counts = self.doc_pos_counts(self.train_loader)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip or float("inf"))
-        return *self.sync(loss_sum / self.grad_accum, norm, counts), data_time
+        stats = torch.stack([loss_sum / self.grad_accum, norm.float()])
+        return QueuedStep(stats, counts, self.rule, self.optimizer.param_groups[0]["lr"], data_time)
 
-    def sync(self, loss: torch.Tensor, norm: torch.Tensor, counts: np.ndarray) -> tuple[float, float, bool, np.ndarray]:
+    def step_on_device(self, queued: QueuedStep, step: int) -> None:
+        """Step the optimizer without reading the step: fused AdamW skips it on the device if its loss or gradient
+        norm is not finite. The two values start on their way to the host, to be read a step later."""
+        self.optimizer.found_inf = queued.stats.isfinite().all().logical_not().float()
+        self.measure.optimizer_step(self.optimizer, step)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        queued.stats = queued.stats.to("cpu", non_blocking=True)  # into pinned memory, from a GPU
+        if self.rt.device.type == "cuda":
+            queued.copied = torch.cuda.Event()
+            queued.copied.record()
+
+    def settle(self, done: QueuedStep) -> None:
+        """Read a queued step (the host sync) and finish it: skip it if not finite, else step the optimizer (unless
+        it stepped on the device), count and log it, and evaluate or save where due."""
+        loss, norm, finite, counts = self.sync(done)
+        now = time.perf_counter()
+        dt, self.last_sync = now - self.last_sync, now
+        if self.step == self.start_step:
+            # What torch.compile built in this first step lives all run. Freezing takes it out of the garbage
+            # collector's full scans, which otherwise pause the host whenever they run (260 ms with a compiled
+            # 32-layer model alive, on a 2-core CPU): under DDP one rank's pause holds up every rank.
+            freeze_gc()
+            self.first_sync = now
+        if not finite:  # no update, evaluation or save for this step
+            self.skip_step(loss)
+            return
+        if not self.skips_on_device:
+            self.measure.optimizer_step(self.optimizer, self.step + 1)
+            self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        self.step += 1
+        self.tokens_seen += self.settings.total_batch_tokens
+        self.comparison_flops += done.rule.step_flops(counts)
+        self.log_step(done, loss, norm, dt, now)
+        if self.stopping:
+            return
+        if self.due(self.args.eval_every, self.step):
+            self.evaluate()
+            self.last_sync = time.perf_counter()  # evaluation time is not the next step's
+        if self.due(self.args.save_every, self.step):
+            self.save()
+            self.last_sync = time.perf_counter()
+        if self.step % 50 == 0:
+            self.write_record()
+
+    def due(self, every: int, step: int) -> bool:
+        """Whether an evaluation or a save every `every` steps (0: never) falls after `step` (the last one's is the
+        finish's)."""
+        return bool(every) and step % every == 0 and step < self.settings.last_step
+
+    def sync(self, done: QueuedStep) -> tuple[float, float, bool, np.ndarray]:
         """(loss averaged over ranks, gradient norm, both finite, every rank's document-position counts). Ranks can
         receive a signal in different steps; the flags ride on the loss all-reduce so that every rank stops after
         the same step (one that stopped alone would leave the others waiting in their next all-reduce). The counts
         ride along for the comparison FLOPs; fp32 holds them exactly (each is at most the step's tokens, < 2^24)."""
-        stats = torch.stack([loss, norm.float()])
+        stats, counts = done.stats, done.counts
         flags = [float(sig in self.stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)]
         if self.rt.distributed:
             host = torch.from_numpy(np.concatenate([flags, counts]).astype(np.float32))
@@ -693,6 +748,8 @@ class Trainer:
             loss_sum, norm_sum, flags = float(values[0]), float(values[1]), values[2:4].tolist()
             counts = np.rint(values[4:]).astype(np.int64)
         else:
+            if done.copied:
+                done.copied.synchronize()
             loss_sum, norm_sum = stats.tolist()
         loss_value, norm_value = loss_sum / self.rt.world_size, norm_sum / self.rt.world_size
         self.stopping = signal.SIGTERM if flags[0] else signal.SIGINT if flags[1] else 0
@@ -713,12 +770,11 @@ class Trainer:
         )
         self.step += 1
 
-    def log_step(self, loss: float, norm: float, dt: float, data_time: float, now: float) -> None:
-        s, rt, step = self.settings, self.rt, self.step
+    def log_step(self, done: QueuedStep, loss: float, norm: float, dt: float, now: float) -> None:
+        s, rt, step, lr, data_time = self.settings, self.rt, self.step, done.lr, done.data_time
         tok_per_s = s.total_batch_tokens / dt
         mfu = self.mfu(self.mfu_flops["mfu"], tok_per_s) if self.mfu_flops else None
         memory_key, memory = memory_gb(rt.device)
-        lr = self.optimizer.param_groups[0]["lr"]
         entry = {"step": step, "tokens": self.tokens_seen, "comparison_flops": self.comparison_flops,
                  "wall_time_s": self.wall_time(), "loss": loss, "lr": lr, "grad_norm": norm, "tok_per_s": tok_per_s,
                  "step_time": dt, "data_time": data_time, **({"mfu": mfu} if mfu is not None else {}),
@@ -824,15 +880,15 @@ class Measurement:
         self.benchmark, self.device = args.benchmark, rt.device
         self.profiler = StepProfiler(rt.device, first=5, steps=3) if args.profile and rt.is_master else None
         self.profiled_steps: set[int] = set()
-        self.optimizer_times: list[Callable[[], float]] = []  # read at the end, so timing never waits for the GPU
+        self.optimizer_times: dict[int, Callable[[], float]] = {}  # by step; read at the end, never waiting for the GPU
 
     def before_step(self, step: int) -> None:
-        if self.profiler and self.profiler.step():
-            self.profiled_steps.add(step + 1)
+        if self.profiler and self.profiler.step():  # slows the step it queues and, read a step late, the one before
+            self.profiled_steps |= {step, step + 1}
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         if self.benchmark:
-            self.optimizer_times.append(timed(optimizer.step, self.device))
+            self.optimizer_times[step] = timed(optimizer.step, self.device)
         else:
             optimizer.step()
 
@@ -845,7 +901,7 @@ class Measurement:
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the last optimizer step's events
         steps = [h for h in trainer.record.history if "step_time" in h]
-        after_warmup = list(zip(steps, [read() for read in self.optimizer_times]))[5:]
+        after_warmup = [(h, self.optimizer_times[h["step"]]()) for h in steps][5:]
         kept = [(h, seconds) for h, seconds in after_warmup if h["step"] not in self.profiled_steps]
         if not kept:
             raise PPTError("--benchmark needs more than 5 steps (more than 9 with --profile); raise --max-steps")
