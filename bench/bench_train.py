@@ -10,8 +10,9 @@ Each variant runs `scripts.base_train --benchmark` in a fresh process on a synth
 tokens, documents of exponentially distributed length separated by EOT, a byte-level vocabulary of the config's
 size), so the numbers need no download. Prints one markdown row per variant and writes them as JSON with --out; a
 variant that failed shows its exit status in its row, and the tool then exits 2. With several architectures (config
-classes) the final table sets each row's comparison TFLOP/s against the row of another architecture nearest it in
-parameters, with the same compile and document-mask settings: the per-FLOP rate at equal size.
+classes) the final table sets each row's comparison TFLOP/s against another architecture's at its parameter count
+(interpolated between two of its rows that bracket it, else its nearest row), with the same compile and document-mask
+settings: the per-FLOP rate at equal size.
 Flags this script does not know go to every base_train run (for example --compile-mode default,
 --loader-prefetch 0, --lr 1e-3).
 """
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             print(format_row(result), flush=True)
     add_shares_of_nearest(results)
     print("\n| config | compile | doc masks | tok/s | comparison TFLOP/s | MFU | MFU (6N) | step s | data | optimizer "
-          "| peak GB | against the nearest other architecture |\n" + "|---" * 12 + "|")  # fmt: skip
+          "| peak GB | against the other architecture at equal parameters |\n" + "|---" * 12 + "|")  # fmt: skip
     for r in results:
         share = r.get("share_of_nearest")
         print(format_row(r) + (f" {100 * share['share']:.0f}% of {share['config']} |" if share else " - |"))
@@ -133,8 +134,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def add_shares_of_nearest(results: list[dict]) -> None:
-    """Give each measured row "share_of_nearest": its comparison TFLOP/s over that of the measured row of another
-    config class nearest it in parameters (by ratio), with the same compile and document-mask settings."""
+    """Give each measured row "share_of_nearest": its comparison TFLOP/s over another config class's at its parameter
+    count, with the same compile and document-mask settings: interpolated in log(parameters) between that class's
+    nearest rows below and above it where it has both, else that of its row nearest in parameters (by ratio)."""
     measured = [r for r in results if "error" not in r]
     for r in measured:
         others = [
@@ -142,7 +144,15 @@ def add_shares_of_nearest(results: list[dict]) -> None:
             if type(get_config(o["config"])) is not type(get_config(r["config"]))
             and (o["compile"], o["doc_masks"]) == (r["compile"], r["doc_masks"])
         ]  # fmt: skip
-        if others:
+        below = [o for o in others if o["params"] <= r["params"]]
+        above = [o for o in others if o["params"] > r["params"]]
+        if below and above:
+            lo, hi = max(below, key=lambda o: o["params"]), min(above, key=lambda o: o["params"])
+            t = math.log(r["params"] / lo["params"]) / math.log(hi["params"] / lo["params"])
+            rate = lo["comparison_tflops"] + t * (hi["comparison_tflops"] - lo["comparison_tflops"])
+            name = lo["config"] if t == 0 else f"{lo['config']}-{hi['config']} at {r['params'] / 1e6:.1f}M parameters"
+            r["share_of_nearest"] = {"config": name, "share": r["comparison_tflops"] / rate}
+        elif others:
             o = min(others, key=lambda o: abs(math.log(o["params"] / r["params"])))
             r["share_of_nearest"] = {"config": o["config"], "share": r["comparison_tflops"] / o["comparison_tflops"]}
 

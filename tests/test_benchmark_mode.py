@@ -150,27 +150,28 @@ def test_bench_train_measures_architectures_side_by_side(run_tool, tmp_path):
         assert f" {100 * share:.0f}% of {other['config']} |" in table.split(f"| {r['config']} |")[1].splitlines()[0]
 
 
-def test_bench_train_sets_each_row_against_the_other_architecture_nearest_in_parameters():
+def test_bench_train_sets_each_row_against_the_other_architecture_at_its_parameter_count():
     from bench.bench_train import add_shares_of_nearest
 
     def row(config, params, tflops, compile="on"):
         return {"config": config, "params": params, "comparison_tflops": tflops, "compile": compile, "doc_masks": "on"}
 
     rows = [
-        row("d4", 5.3e6, 100.0),
-        row("d8", 30e6, 200.0),
-        row("multiscreen-d11", 4.3e6, 50.0),
-        row("multiscreen-d19", 32e6, 150.0),
+        row("d4", 8e6, 100.0),
+        row("d8", 32e6, 200.0),
+        row("multiscreen-d11", 4e6, 50.0),
+        row("multiscreen-d19", 16e6, 150.0),
         row("multiscreen-d21", 40e6, 10.0, compile="off"),  # no vanilla row compiled off: none to set it against
         {"config": "d6", "compile": "on", "doc_masks": "on", "error": "exit 2"},  # failed: neither side
     ]
     add_shares_of_nearest(rows)
     shares = {r["config"]: r.get("share_of_nearest") for r in rows}
+    # bracketed: the other side's rate halfway in log(parameters) between its two rows; else its nearest row's
     assert shares == {
-        "d4": {"config": "multiscreen-d11", "share": 2.0},
+        "d4": {"config": "multiscreen-d11-multiscreen-d19 at 8.0M parameters", "share": pytest.approx(1.0)},
         "d8": {"config": "multiscreen-d19", "share": 200 / 150},
         "multiscreen-d11": {"config": "d4", "share": 0.5},
-        "multiscreen-d19": {"config": "d8", "share": 0.75},
+        "multiscreen-d19": {"config": "d4-d8 at 16.0M parameters", "share": pytest.approx(1.0)},
         "multiscreen-d21": None,
         "d6": None,
     }
