@@ -378,9 +378,6 @@ class Trainer:
         self.optimizer = build_optimizer(
             self.model, args.optimizer, lr=self.lr, weight_decay=args.weight_decay, compile=self.use_compile
         )
-        # fused AdamW takes a found_inf flag and skips the step on the device: the loop then reads each step late
-        fused = isinstance(self.optimizer, torch.optim.AdamW) and self.optimizer.defaults["fused"]
-        self.skips_on_device = bool(fused) and not rt.distributed
         self.train_loader = DataLoader(
             self.data_dir, "train", self.device_batch, self.seq_len, rt.rank, rt.world_size, self.data_seed,
             rt.device, expected_fingerprint=self.tokenizer.fingerprint, prefetch=args.loader_prefetch,
@@ -634,6 +631,8 @@ class Trainer:
         self.train_iter = iter(self.train_loader)
         self.last_saved, self.stopping = self.step, 0
         self.last_sync = time.perf_counter()
+        # fused AdamW takes a found_inf flag and skips a step on the device (not so a resumed unfused state's groups)
+        self.skips_on_device = not self.rt.distributed and all(g.get("fused") for g in self.optimizer.param_groups)
         in_flight: QueuedStep | None = None  # queued and updated on the device, not yet read
         while (step := self.step + (in_flight is not None)) < s.last_step:  # the 0-based index of the step to queue
             self.measure.before_step(step)

@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import functools
 import json
+import math
 import os
 import random
 import re
@@ -275,6 +276,20 @@ def test_skip_nonfinite_skips_a_bad_step_and_counts_it_across_a_resume(
     assert data["skipped_nonfinite_steps"] == 1 and data["steps_done"] == STEPS
     assert [h["step"] for h in data["history"] if "loss" in h] == [s for s in range(1, STEPS + 1) if s != 3]
     assert data["tokens"] == (STEPS - 1) * BATCH_TOKENS  # the skipped step's batch was not learned from
+
+
+def test_a_checkpoint_of_an_unfused_adamw_resumes(demo_data_dir, tmp_path):
+    """A checkpoint saved while AdamW ran unfused on CPU (fused None in its groups, which a resume restores): the loop
+    reads each step at once, since only fused AdamW takes the flag that skips a step on the device."""
+    out = tmp_path / "checkpoints"
+    base_train.main(train_argv(demo_data_dir, out, "unfused", "--max-steps", str(SAVE_EVERY)))
+    state = ckpt.load_checkpoint(ckpt.checkpoint_path(out, SAVE_EVERY))
+    for group in state["optimizer"]["param_groups"]:
+        group["fused"] = None
+    ckpt.save_checkpoint(out, SAVE_EVERY, state)
+    base_train.main(train_argv(demo_data_dir, out, "unfused", "--resume", "auto"))
+    data = manifest(out, "unfused")
+    assert data["steps_done"] == STEPS and all(math.isfinite(h["loss"]) for h in data["history"] if "loss" in h)
 
 
 # ---- 5: disk full, unwritable output ------------------------------------------------------------------------------
