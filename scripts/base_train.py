@@ -97,6 +97,9 @@ RULE_REFRESH_STEPS = 50
 # A config field of this name, if the config has one, is set to the training row length (SPEC.md, the model contract).
 TRAIN_LENGTH_FIELD = "train_seq_len"
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay the step from CUDA graphs
+# Devices that run queued work while the host goes on: there the loop reads each step a step late (Trainer.loop). A
+# CPU computes as the host queues, so reading late would gain nothing and time each step by its successor's work.
+LATE_READ_DEVICES = ("cuda",)
 CHECKPOINT_FORMAT = 2  # a checkpoint records its settings (TrainSettings), which a resume must continue
 
 
@@ -623,7 +626,7 @@ class Trainer:
     # ---- phase 4: the loop --------------------------------------------------------------------------------------
     def loop(self) -> None:
         """One host sync per step, when the host reads a step's loss and gradient norm. Where the optimizer skips a
-        non-finite step on the device (fused AdamW, one process) the host reads each step one step late: it queues
+        non-finite step on the device (fused AdamW, one CUDA process) the host reads each step a step late: it queues
         step n + 1 before it waits for step n, so the GPU does not idle while the host logs, steps the optimizer and
         launches the next forward (+12-17% tok/s at the study's shapes on one H200, docs/benchmarks.md). A step due
         for an evaluation or a save is read at once. The step time is the time between consecutive reads."""
@@ -632,7 +635,8 @@ class Trainer:
         self.last_saved, self.stopping = self.step, 0
         self.last_sync = time.perf_counter()
         # fused AdamW takes a found_inf flag and skips a step on the device (not so a resumed unfused state's groups)
-        self.skips_on_device = not self.rt.distributed and all(g.get("fused") for g in self.optimizer.param_groups)
+        fused = all(g.get("fused") for g in self.optimizer.param_groups)
+        self.reads_late = fused and self.rt.device.type in LATE_READ_DEVICES and not self.rt.distributed
         in_flight: QueuedStep | None = None  # queued and updated on the device, not yet read
         while (step := self.step + (in_flight is not None)) < s.last_step:  # the 0-based index of the step to queue
             self.measure.before_step(step)
@@ -644,7 +648,7 @@ class Trainer:
                 self.last_sync = time.perf_counter()  # the refresh's time is not the step's
             set_lr(self.optimizer, lr_multiplier(step, s.steps, s.warmup_steps, s.schedule, s.decay_frac))
             queued = self.forward_backward()
-            if not self.skips_on_device:
+            if not self.reads_late:
                 self.settle(queued)
             else:
                 self.step_on_device(queued, step + 1)
@@ -709,7 +713,7 @@ class Trainer:
         if not finite:  # no update, evaluation or save for this step
             self.skip_step(loss)
             return
-        if not self.skips_on_device:
+        if not self.reads_late:
             self.measure.optimizer_step(self.optimizer, self.step + 1)
             self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         self.step += 1

@@ -184,11 +184,15 @@ def test_a_second_run_on_the_same_directory_stops_naming_the_first_and_sigterm_r
     assert not list(out.glob("second*")) and manifest(out, "first")["stopped_at"] >= 1
 
 
-@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "max-steps"])
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "max-steps", "SIGTERM, steps read late"])
 def test_signals_and_max_steps_save_then_resume_reproduces_the_uninterrupted_run(
-    stop, reference, demo_data_dir, tmp_path, capsys
+    stop, reference, demo_data_dir, tmp_path, capsys, monkeypatch
 ):
     stop_at = SAVE_EVERY + 2  # not a save boundary: the stop itself must save
+    signalled_at = stop_at
+    if stop.endswith("late"):  # as on a GPU: the step after the signalled one is already queued, and finishes
+        monkeypatch.setattr(base_train, "LATE_READ_DEVICES", ("cuda", "cpu"))
+        stop, signalled_at = "SIGTERM", stop_at - 1
     out = tmp_path / "checkpoints"
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     if stop == "max-steps":
@@ -200,7 +204,7 @@ def test_signals_and_max_steps_save_then_resume_reproduces_the_uninterrupted_run
 
         def signal_after_step(self: base_train.Trainer, *args: float) -> None:
             log_step(self, *args)
-            if self.step == stop_at - 1:  # logged once the next step is queued: the loop reads steps a step late
+            if self.step == signalled_at:
                 os.kill(os.getpid(), sig)
 
         with pytest.MonkeyPatch.context() as mp:
@@ -244,12 +248,19 @@ def test_divergence_stops_naming_the_step_and_the_last_good_checkpoint(skip_budg
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+    [
+        "cpu",
+        "cpu, steps read late",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
 )
 def test_skip_nonfinite_skips_a_bad_step_and_counts_it_across_a_resume(
     device, demo_data_dir, tmp_path, monkeypatch, capsys
 ):
-    """Fused AdamW skips the step on the device (found_inf) and the loop learns of it a step later."""
+    """Read late (CUDA), fused AdamW skips the step on the device (found_inf) and the loop learns of it a step later."""
+    if device.endswith("late"):
+        monkeypatch.setattr(base_train, "LATE_READ_DEVICES", ("cuda", "cpu"))
+        device = "cpu"
     out = tmp_path / "checkpoints"
     clip = torch.nn.utils.clip_grad_norm_
     calls = []
@@ -276,6 +287,15 @@ def test_skip_nonfinite_skips_a_bad_step_and_counts_it_across_a_resume(
     assert data["skipped_nonfinite_steps"] == 1 and data["steps_done"] == STEPS
     assert [h["step"] for h in data["history"] if "loss" in h] == [s for s in range(1, STEPS + 1) if s != 3]
     assert data["tokens"] == (STEPS - 1) * BATCH_TOKENS  # the skipped step's batch was not learned from
+
+
+def test_steps_read_late_train_and_record_what_steps_read_at_once_do(reference, demo_data_dir, tmp_path, monkeypatch):
+    """The loop as it runs on a GPU (each step read after the next is queued, the update skipped on the device if not
+    finite), here on CPU: the same losses, learning rates, tokens, comparison FLOPs, evaluations and weights."""
+    monkeypatch.setattr(base_train, "LATE_READ_DEVICES", ("cuda", "cpu"))
+    out = tmp_path / "checkpoints"
+    base_train.main(train_argv(demo_data_dir, out, "late"))
+    assert_matches_reference(reference, out, "late")
 
 
 def test_a_checkpoint_of_an_unfused_adamw_resumes(demo_data_dir, tmp_path):
