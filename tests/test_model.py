@@ -311,10 +311,10 @@ def test_multiscreen_sizes(psi):
 
 
 def test_multiscreen_stream_padding_changes_no_number(monkeypatch):
-    """The stream's zero columns (d_model 36 stored 40 wide) give the loss and gradients of the unpadded model, and
+    """The stream's zero columns (d_model 36 stored 64 wide) give the loss and gradients of the unpadded model, and
     the same N, MFU and comparison rule: only the matmuls' layout changes."""
     model = fresh("multiscreen-tiny")
-    assert (model.config.d_model, model.config.d_stream) == (36, 40)
+    assert (model.config.d_model, model.config.d_stream) == (36, 64)
     idx = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
 
     def computed() -> tuple:
