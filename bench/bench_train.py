@@ -119,11 +119,11 @@ def main(argv: list[str] | None = None) -> None:
             if args.profile:
                 print("\n".join(line for line in stdout.splitlines() if not line.startswith(("step ", "benchmark "))))
             print(format_row(result), flush=True)
-    add_shares_of_nearest(results)
+    add_shares_at_equal_parameters(results)
     print("\n| config | compile | doc masks | tok/s | comparison TFLOP/s | MFU | MFU (6N) | step s | data | optimizer "
           "| peak GB | against the other architecture at equal parameters |\n" + "|---" * 12 + "|")  # fmt: skip
     for r in results:
-        share = r.get("share_of_nearest")
+        share = r.get("share_at_equal_parameters")
         print(format_row(r) + (f" {100 * share['share']:.0f}% of {share['config']} |" if share else " - |"))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
@@ -133,10 +133,11 @@ def main(argv: list[str] | None = None) -> None:
         raise PPTError(f"{len(failed)} of {len(results)} variants failed ({'; '.join(failed)}); their output is above")
 
 
-def add_shares_of_nearest(results: list[dict]) -> None:
-    """Give each measured row "share_of_nearest": its comparison TFLOP/s over another config class's at its parameter
-    count, with the same compile and document-mask settings: interpolated in log(parameters) between that class's
-    nearest rows below and above it where it has both, else that of its row nearest in parameters (by ratio)."""
+def add_shares_at_equal_parameters(results: list[dict]) -> None:
+    """Give each measured row "share_at_equal_parameters": its comparison TFLOP/s over another config class's at its
+    parameter count, with the same compile and document-mask settings: interpolated in log(parameters) between that
+    class's nearest rows below and above it where it has both, else that of its row nearest in parameters (by
+    ratio)."""
     measured = [r for r in results if "error" not in r]
     for r in measured:
         others = [
@@ -151,10 +152,12 @@ def add_shares_of_nearest(results: list[dict]) -> None:
             t = math.log(r["params"] / lo["params"]) / math.log(hi["params"] / lo["params"])
             rate = lo["comparison_tflops"] + t * (hi["comparison_tflops"] - lo["comparison_tflops"])
             name = lo["config"] if t == 0 else f"{lo['config']}-{hi['config']} at {r['params'] / 1e6:.1f}M parameters"
-            r["share_of_nearest"] = {"config": name, "share": r["comparison_tflops"] / rate}
         elif others:
             o = min(others, key=lambda o: abs(math.log(o["params"] / r["params"])))
-            r["share_of_nearest"] = {"config": o["config"], "share": r["comparison_tflops"] / o["comparison_tflops"]}
+            rate, name = o["comparison_tflops"], o["config"]
+        else:
+            continue
+        r["share_at_equal_parameters"] = {"config": name, "share": r["comparison_tflops"] / rate}
 
 
 def format_row(r: dict) -> str:

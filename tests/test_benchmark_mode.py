@@ -146,12 +146,12 @@ def test_bench_train_measures_architectures_side_by_side(run_tool, tmp_path):
         assert r["comparison_tflops"] > 0 and f"| {r['config']} | off | on | {r['tok_per_s']:,.0f} |" in table
         (other,) = [o for o in rows if o is not r]  # one config a class: the other architecture's is the nearest
         share = r["comparison_tflops"] / other["comparison_tflops"]
-        assert r["share_of_nearest"] == {"config": other["config"], "share": share}
+        assert r["share_at_equal_parameters"] == {"config": other["config"], "share": share}
         assert f" {100 * share:.0f}% of {other['config']} |" in table.split(f"| {r['config']} |")[1].splitlines()[0]
 
 
 def test_bench_train_sets_each_row_against_the_other_architecture_at_its_parameter_count():
-    from bench.bench_train import add_shares_of_nearest
+    from bench.bench_train import add_shares_at_equal_parameters
 
     def row(config, params, tflops, compile="on"):
         return {"config": config, "params": params, "comparison_tflops": tflops, "compile": compile, "doc_masks": "on"}
@@ -164,8 +164,8 @@ def test_bench_train_sets_each_row_against_the_other_architecture_at_its_paramet
         row("multiscreen-d21", 40e6, 10.0, compile="off"),  # no vanilla row compiled off: none to set it against
         {"config": "d6", "compile": "on", "doc_masks": "on", "error": "exit 2"},  # failed: neither side
     ]
-    add_shares_of_nearest(rows)
-    shares = {r["config"]: r.get("share_of_nearest") for r in rows}
+    add_shares_at_equal_parameters(rows)
+    shares = {r["config"]: r.get("share_at_equal_parameters") for r in rows}
     # bracketed: the other side's rate halfway in log(parameters) between its two rows; else its nearest row's
     assert shares == {
         "d4": {"config": "multiscreen-d11-multiscreen-d19 at 8.0M parameters", "share": pytest.approx(1.0)},
