@@ -520,13 +520,11 @@ class Cost:
 
     def dtypes(self, of: str) -> list[torch.dtype]:
         """The dtypes that carry any FLOPs (of="flops") or bytes (of="bytes"), in a stable order."""
-        table = self.flops if of == "flops" else self.bytes
-        found = {d for cell in table.values() for d, n in cell.items() if n}
+        found = {d for cell in getattr(self, of).values() for d, n in cell.items() if n}
         return sorted(found, key=dtype_order)
 
     def total(self, of: str, dtype: torch.dtype) -> float:
-        table = self.flops if of == "flops" else self.bytes
-        return sum(cell.get(dtype, 0) for cell in table.values())
+        return sum(cell.get(dtype, 0) for cell in getattr(self, of).values())
 
     def intensity(self, row: Row | None, dtype: torch.dtype) -> float | None:
         """FLOPs per byte of one dtype in a row (None: the whole step); None where there are no FLOPs or bytes."""
@@ -631,11 +629,10 @@ def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = t
     trace = traced_step(model, batch_size, seq_len, dtype, backward=True, formulas=formulas)
     if trace.unclassified:
         warn0(f"ppt.flops: counted ops without a class as elementwise: {', '.join(sorted(trace.unclassified))}")
-    tokens = batch_size * seq_len
     return Cost(
         params=sum(p.numel() for p in model.parameters()),
         params_active=sum(p.numel() for p in trace._params.values() if id(p) in trace.params_used),
-        params_matmul=round(trace.weight_flops / (2 * tokens)),
+        params_matmul=round(trace.weight_flops / (2 * batch_size * seq_len)),
         batch_size=batch_size,
         seq_len=seq_len,
         flops={row: dict(cell) for row, cell in trace.flops.items()},

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import torch
 from torch.autograd import DeviceType
@@ -43,9 +42,8 @@ class StepProfiler:
         self.steps = steps
         self.recording_since: float | None = None
         self.reported = False
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.profiler = profile(
-            activities=activities,
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []),
             schedule=schedule(skip_first=first, wait=0, warmup=1, active=steps, repeat=1),
             on_trace_ready=self._report,
         )
@@ -82,21 +80,15 @@ class StepProfiler:
             print(gpu_idle_by_host_activity(prof, self.steps), flush=True)
 
 
-def enclosing_ops(event: object) -> Iterator[object]:
-    """A CPU op, then the ops around it, innermost first."""
-    while event is not None:
-        yield event
-        event = event.cpu_parent
-
-
-def kernel_kind(event: object) -> str | None:
+def kernel_kind(op: object) -> str | None:
     """The kind every kernel launched inside this CPU op (or an op around it) has: the op's own name for a `ppt::`
     custom op, "optimizer" inside an optimizer's step; None where the kernel's own name decides."""
-    for op in enclosing_ops(event):
+    while op is not None:  # the op, then the ops around it, innermost first
         if CUSTOM_OP.match(op.name):
             return f"{op.name} (custom op)"
         if op.name.startswith(OPTIMIZER_STEP):
             return "optimizer"
+        op = op.cpu_parent
     return None
 
 

@@ -417,13 +417,13 @@ class Trainer:
             torch.distributed.broadcast_object_list(chosen, src=0)
             path = chosen[0]
         if path is None:
-            earlier = ckpt.list_checkpoints(self.out_dir) if rt.is_master and not args.benchmark else []
-            if earlier:  # a fresh run here would prune the new checkpoints and evaluate the earlier run's
-                raise PPTError(
-                    f"{self.out_dir} holds checkpoints of an earlier run (up to step {earlier[-1][0]}); continue it "
-                    "with --resume auto, or give this run another --tag or --out-dir"
-                )
             if rt.is_master and not args.benchmark:
+                # a fresh run here would prune the new checkpoints and evaluate the earlier run's
+                if earlier := ckpt.list_checkpoints(self.out_dir):
+                    raise PPTError(
+                        f"{self.out_dir} holds checkpoints of an earlier run (up to step {earlier[-1][0]}); continue "
+                        "it with --resume auto, or give this run another --tag or --out-dir"
+                    )
                 self.check_run_name_free()
             return {}
         state = ckpt.load_checkpoint(path, map_location=rt.device)
