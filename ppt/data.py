@@ -217,8 +217,6 @@ class DataLoader:
                 )
             if info.max_token_id >= self.vocab_size:  # no embedding for it: a crash mid-run (CUDA: an assert)
                 raise PPTError(out_of_vocab(info.path, info.max_token_id, self.vocab_size))
-        # training rows go to ranks in blocks of a batch (see _RowSource.global_row); val rows one at a time; pinned
-        # host memory makes the copy to a GPU asynchronous
         self._source = _RowSource(
             [tokens for _, tokens in shards], seq_len, first.eot_id, self.vocab_size, rank, world_size,
             batch_size if self.shuffle else 1, seed, pin_memory=self.device.type == "cuda",

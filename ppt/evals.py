@@ -280,9 +280,8 @@ def demo_examples(
             f"the documents hold {len(passages)}; use more text (prepare more val data)"
         )
     rng = random.Random(seed)
-    chosen = rng.sample(range(len(passages)), min(n, len(passages)))
     examples = []
-    for index in chosen:
+    for index in rng.sample(range(len(passages)), min(n, len(passages))):
         others = rng.sample([k for k in range(len(passages)) if k != index], n_choices - 1)
         choices = [" ".join(passages[k][40:]) for k in (index, *others)]  # lm-eval puts " " before a choice
         order = list(range(n_choices))
@@ -319,7 +318,7 @@ class PPTLM(TemplateLM):
         self._device = torch.device(device) if device else next(model.parameters()).device
         self.dtype = dtype
         self.batch_size = batch_size
-        self._max_length = max_length or model.config.max_seq_len
+        self.max_length = max_length or model.config.max_seq_len
         if dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
@@ -331,10 +330,6 @@ class PPTLM(TemplateLM):
     def prefix_token_id(self) -> int:
         """What an empty context and the first rolling window are conditioned on."""
         return self.prefix[0] if self.prefix else self.eot_token_id
-
-    @property
-    def max_length(self) -> int:
-        return self._max_length
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         """Token ids after the prefix, unless `add_special_tokens=False` (or, by default, it is already there)."""

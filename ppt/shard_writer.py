@@ -125,7 +125,6 @@ class ShardBuffer:
     """The documents of the shard being filled (EOT, doc, EOT, doc, EOT ...) and what it adds to meta.json's counts."""
 
     target_tokens: int
-    eot_id: int
     parts: list[np.ndarray] = field(default_factory=list)
     tokens: int = 1  # the leading EOT
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
@@ -133,9 +132,6 @@ class ShardBuffer:
     @property
     def full(self) -> bool:
         return self.tokens >= self.target_tokens
-
-    def array(self, dtype: np.dtype) -> np.ndarray:
-        return np.concatenate([np.array([self.eot_id], dtype=dtype), *self.parts])
 
 
 class ShardWriter:
@@ -158,7 +154,7 @@ class ShardWriter:
         self.tokens_written = 0
 
     def buffer(self, size: str) -> ShardBuffer:
-        return ShardBuffer(self.meta["settings"][size], self.tokenizer.eot_id)
+        return ShardBuffer(self.meta["settings"][size])
 
     @staticmethod
     def finished(meta: dict, target_shards: int | None) -> bool:
@@ -215,7 +211,7 @@ class ShardWriter:
 
     def _write(self, split: str, buffer: ShardBuffer) -> None:
         tok = self.tokenizer
-        array = buffer.array(token_dtype(tok.vocab_size))
+        array = np.concatenate([np.array([tok.eot_id], dtype=token_dtype(tok.vocab_size)), *buffer.parts])
         path = shard_path(self.out, split, self.meta[split]["shards"])
         with disk_errors(path, self.shard_bytes()):
             write_shard(path, array, vocab_size=tok.vocab_size, eot_id=tok.eot_id, fingerprint=tok.fingerprint,

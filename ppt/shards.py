@@ -81,7 +81,6 @@ def write_shard(
     tokenizer_name: str = "",
 ) -> None:
     """Write one shard atomically (temp file, then rename). The stream must start with EOT and fit the vocab."""
-    path = Path(path)
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
         raise PPTError(f"a shard needs a non-empty 1-D integer token array, got {tokens.dtype} shape {tokens.shape}")
