@@ -141,10 +141,8 @@ def isoflop_minimum(sizes: Sequence[float], losses: Sequence[float]) -> tuple[fl
     return float(np.exp(vertex)), float(c0 - c1**2 / (4 * c2)), [] if u.min() <= vertex <= u.max() else ["unbracketed"]
 
 
-def paired_difference(
-    a: dict[int, float], b: dict[int, float], confidence: float = 0.95
-) -> tuple[float, float, float] | None:
-    """(mean over seeds of a[seed] - b[seed], low, high): the t interval with n - 1 degrees of freedom on the
+def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, float] | None:
+    """(mean over seeds of a[seed] - b[seed], low, high): the 95% t interval with n - 1 degrees of freedom on the
     per-seed differences. None with fewer than 2 seeds. Both sides must hold the same seeds."""
     if a.keys() != b.keys():
         raise PPTError(f"a paired difference needs the same seeds on both sides, got {sorted(a)} and {sorted(b)}: "
@@ -153,7 +151,7 @@ def paired_difference(
     if len(differences) < 2:
         return None
     mean = float(differences.mean())
-    half = t_quantile(0.5 + confidence / 2, len(differences) - 1) * differences.std(ddof=1) / math.sqrt(len(a))
+    half = t_quantile(0.975, len(differences) - 1) * differences.std(ddof=1) / math.sqrt(len(a))
     return mean, mean - float(half), mean + float(half)
 
 

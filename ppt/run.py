@@ -134,10 +134,6 @@ class RunRecord:
         return self.evals[-1] if self.finished and self.evals else None
 
     @property
-    def command(self) -> str:
-        return shlex.join(["python", "-m", "scripts.base_train", *self.argv])
-
-    @property
     def seeds(self) -> tuple[int, int]:
         return self.train.data_seed, self.train.model_seed
 
@@ -151,20 +147,19 @@ class RunRecord:
         return ((self.eval or {}).get("benchmarks") or {}).get("rows", {})
 
     def to_dict(self) -> dict[str, Any]:
+        command = shlex.join(["python", "-m", "scripts.base_train", *self.argv])
         final = self.final_val and dataclasses.asdict(self.final_val)
-        return dataclasses.asdict(self) | {"command": self.command, "final_val": final}  # derived: not read back
+        return dataclasses.asdict(self) | {"command": command, "final_val": final}  # derived: not read back
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
         """The record a dict holds; a PPTError when it is not a run record of this format."""
-        data = dict(data)
         if data.get("format") != FORMAT:
             raise PPTError(
                 f"run record format {data.get('format')!r}, not {FORMAT}; convert a format-1 manifest with "
                 "ppt.run.from_format_1, or rerun with this ppt"
             )
-        for derived in ("command", "final_val"):
-            data.pop(derived, None)
+        data = {k: v for k, v in data.items() if k not in ("command", "final_val")}  # derived: not read back
         try:
             data["train"] = TrainSettings(**data["train"])
             data["evals"] = [Evaluation(**e) for e in data.get("evals", [])]

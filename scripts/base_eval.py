@@ -179,8 +179,7 @@ def table(bpb: dict[str, float], bench: dict[str, Any] | None) -> str:
     ]
     if bench:
         for label, score in bench["rows"].items():
-            shots = bench["shots"][label]
-            lines.append(f"| {label} ({shots}-shot, {bench['metrics'][label]}) | {score:.1f} |")
+            lines.append(f"| {label} ({bench['shots'][label]}-shot, {bench['metrics'][label]}) | {score:.1f} |")
         if len(bench["rows"]) > 1:
             lines.append(f"| Avg | {bench['avg']:.1f} |")
     return "\n".join(lines)
@@ -281,8 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             expected_fingerprint=tokenizer.fingerprint,
             vocab_size=model.config.vocab_size,
         )
-        shortfall = val.budget_shortfall(budget)
-        if shortfall:
+        if shortfall := val.budget_shortfall(budget):
             warn0(shortfall)
         n_batches = -(-val.val_rows(budget) // args.batch_size)
         quiet = None if rt.is_master else True  # tqdm's None: a bar only on a terminal, never redrawn into a log

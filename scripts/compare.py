@@ -170,8 +170,8 @@ def _cell(name: str, value: Any) -> str:
 # ---- statistics ---------------------------------------------------------------------------------------------------
 
 
-def welch_interval(a: list[float], b: list[float], confidence: float = 0.95) -> tuple[float, float, float] | None:
-    """(mean(a) - mean(b), low, high) with Welch's t interval; None when either side has fewer than 2 values."""
+def welch_interval(a: list[float], b: list[float]) -> tuple[float, float, float] | None:
+    """(mean(a) - mean(b), low, high) with Welch's 95% t interval; None when either side has fewer than 2 values."""
     if len(a) < 2 or len(b) < 2:
         return None
     difference = statistics.fmean(a) - statistics.fmean(b)
@@ -179,7 +179,7 @@ def welch_interval(a: list[float], b: list[float], confidence: float = 0.95) -> 
     if va + vb == 0:
         return difference, difference, difference
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    half = t_quantile(0.5 + confidence / 2, df) * math.sqrt(va + vb)
+    half = t_quantile(0.975, df) * math.sqrt(va + vb)
     return difference, difference - half, difference + half
 
 
@@ -260,9 +260,7 @@ def table(
 ) -> str:
     """The markdown table, one row per setting; `regimes` (unigram and bigram bpb of the val tokens) add rows."""
     regimes = regimes or {}
-    benchmarks: list[str] = []
-    for run in (r for s in settings for r in s.runs):
-        benchmarks += [label for label in run.benchmark_scores() if label not in benchmarks]
+    benchmarks = list(dict.fromkeys(label for s in settings for r in s.runs for label in r.benchmark_scores()))
     header = ["setting", "seeds", "params", "tokens", "comparison FLOPs", "val bpb",
               f"Δ bpb vs {baseline.label} (95% CI)", "paired Δ (95% CI)", "wall time", "tok/s", *differing,
               *benchmarks]  # fmt: skip
@@ -270,7 +268,7 @@ def table(
     flagged = []  # settings whose rule could not count every mixer by its pairs: why
     for setting in settings:
         flops = statistics.fmean(setting.final("comparison_flops"))
-        reasons = {_rule_warning(r) for r in setting.runs} - {None}
+        reasons = {ComparisonFlops.from_state_dict(r.comparison_flops_rule).warning() for r in setting.runs} - {None}
         flagged += [f"{setting.label}: {sorted(reasons)[0]}"] if reasons else []
         speeds = [s for s in (r.median_tok_per_s() for r in setting.runs) if s is not None]
         cells = [
@@ -303,16 +301,10 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _rule_warning(run: RunRecord) -> str | None:
-    """What a run's comparison-FLOPs rule says it could not count (a failed trace, a mixer counted densely or not
-    found), read from the rule its record holds."""
-    return ComparisonFlops.from_state_dict(run.comparison_flops_rule).warning()
-
-
 # ---- the plot -----------------------------------------------------------------------------------------------------
 
 
-def plot(settings: list[Setting], path: Path) -> Path:
+def plot(settings: list[Setting], path: Path) -> None:
     """Val bpb against tokens and against comparison FLOPs (log x): each setting's mean over its seeds at the
     evaluations they share, and the range over the seeds as a band."""
     import matplotlib
@@ -349,7 +341,6 @@ def plot(settings: list[Setting], path: Path) -> Path:
             f.write(image.getvalue())
     except OSError as exc:
         raise PPTError(f"could not write the plot {path} ({exc.strerror or exc}); pass another --plot") from exc
-    return path
 
 
 def plot_file(path: Path) -> Path:

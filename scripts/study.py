@@ -210,18 +210,9 @@ def _check_argv(path: Path, grid: Grid, run: Run) -> None:
 
     parser.error = refuse
     try:
-        parser.parse_args(run_argv(grid, run, Path("out"), deterministic=True))
+        parser.parse_args(Study(grid, Path("out"), deterministic=True).argv(run))
     except _Refused as exc:
         raise _fail(path, f"base_train refuses run {run.name}: {exc}; fix `args` or [arch.{run.arch}]") from None
-
-
-def run_argv(grid: Grid, run: Run, out: Path, deterministic: bool) -> list[str]:
-    """base_train's flags for one run: the grid's, the architecture's, then what the study owns."""
-    arch = next(a for a in grid.archs if a.name == run.arch)
-    flags = [*grid.args, *arch.args, "--config", run.size, "--data-dir", str(grid.data_dir), "--seed", str(run.seed),
-             "--lr", repr(run.lr), "--target-flops", repr(run.budget), "--tag", f"{grid.name}-{run.name}",
-             "--out-dir", str(out / "runs" / run.name), "--resume", "auto"]  # fmt: skip
-    return flags + (["--deterministic"] if deterministic and not run.variant.startswith("-nondet") else [])
 
 
 # Flags that say where a run's files are and how its kernels launch, not what it computes: a study may change them
@@ -285,7 +276,12 @@ class Study:
         return record.final_val.val_bpb if record else None
 
     def argv(self, run: Run) -> list[str]:
-        return run_argv(self.grid, run, self.out, self.deterministic)
+        """base_train's flags for one run: the grid's, the architecture's, then what the study owns."""
+        grid = self.grid
+        flags = [*grid.args, *self.archs[run.arch].args, "--config", run.size, "--data-dir", str(grid.data_dir),
+                 "--seed", str(run.seed), "--lr", repr(run.lr), "--target-flops", repr(run.budget), "--tag",
+                 f"{grid.name}-{run.name}", "--out-dir", str(self.run_dir(run)), "--resume", "auto"]  # fmt: skip
+        return flags + (["--deterministic"] if self.deterministic and not run.variant.startswith("-nondet") else [])
 
     def plan(self) -> list[Run]:
         """Every run the finished ones call for now, unfinished first, smaller budgets first (a study stopped midway
