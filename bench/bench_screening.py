@@ -55,9 +55,8 @@ def seed_impl(seed: types.ModuleType) -> screening.Impl:
     def flat(x: torch.Tensor) -> torch.Tensor:  # (B, T, H, D) -> (H, B T, D)
         return x.reshape(-1, *x.shape[2:]).transpose(0, 1).contiguous()
 
-    def unflat(x: torch.Tensor, c: dict) -> torch.Tensor:
-        B, T, H, _ = c["q"].shape
-        return x.transpose(0, 1).reshape(B, T, H, -1)
+    def unflat(x: torch.Tensor, c: dict) -> torch.Tensor:  # (H, B T, D) -> (B, T, H, D)
+        return x.transpose(0, 1).reshape(*c["q"].shape[:3], -1)
 
     def layout(c: dict) -> dict:
         if "seed" not in c:

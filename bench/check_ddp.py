@@ -84,11 +84,10 @@ def main(argv: list[str] | None = None) -> None:
             "--deterministic",  # else two identical GPU runs already differ, and AdamW amplifies it on random tokens
             *(["--lr", str(args.lr)] if args.lr else []),
         ]  # fmt: skip
-        half = args.steps // 2
         run([*launcher(1), *common, "--tag", "one", "--out-dir", str(tmp / "one")], env)
         run([*launcher(args.nproc), *common, "--tag", "ddp", "--out-dir", str(tmp / "ddp")], env)
         resumed = [*common, "--tag", "resumed", "--out-dir", str(tmp / "resumed")]
-        run([*launcher(args.nproc), *resumed, "--max-steps", str(half)], env)
+        run([*launcher(args.nproc), *resumed, "--max-steps", str(args.steps // 2)], env)
         run([*launcher(args.nproc), *resumed, "--resume", "auto"], env)
         one, ddp, res = (losses(tmp / name / f"{name}.json") for name in ("one", "ddp", "resumed"))
 

@@ -82,8 +82,7 @@ def make_case(lengths: list[list[int]], row_len: int, args: argparse.Namespace) 
     def unit(*shape: int) -> torch.Tensor:
         return torch.nn.functional.normalize(torch.randn(*shape, generator=g), dim=-1).to(device, dtype)
 
-    doc_pos = torch.stack([torch.cat([torch.arange(n, dtype=torch.int32) for n in row]) for row in lengths])
-    doc_pos = doc_pos.to(device)
+    doc_pos = torch.stack([torch.cat([torch.arange(n, dtype=torch.int32) for n in row]) for row in lengths]).to(device)
     windows = torch.exp(torch.linspace(0, math.log(256.0), H)) + 1  # the model's initial windows
     return dict(
         q=unit(B, T, H, args.dk), k=unit(B, T, H, args.dk), v=unit(B, T, H, args.dv),

@@ -43,10 +43,8 @@ def duration(seconds: float) -> str:
 def text_table(header: list[list[str]], body: list[tuple[str, list[str]]]) -> str:
     """Right-aligned columns under one or more header lines; each body row is (label, cells)."""
     label_width = max(len(label) for label, _ in body)
-    columns = list(zip(*header, *(cells for _, cells in body)))
-    widths = [max(len(s) for s in column) for column in columns]
-    lines = [" " * label_width + "".join(f"  {s:>{w}}" for s, w in zip(row, widths)) for row in header]
-    lines += [
-        f"{label:<{label_width}}" + "".join(f"  {s:>{w}}" for s, w in zip(cells, widths)) for label, cells in body
-    ]
-    return "\n".join(lines)
+    rows = [("", cells) for cells in header] + body
+    widths = [max(len(s) for s in column) for column in zip(*(cells for _, cells in rows))]
+    return "\n".join(
+        f"{label:<{label_width}}" + "".join(f"  {s:>{w}}" for s, w in zip(cells, widths)) for label, cells in rows
+    )

@@ -83,8 +83,7 @@ def _roofline_table(step: Cost, seconds: dict[OpKey, tuple[float, float]], group
     return text_table([["flops", "bytes", "intensity", "ms", "share", "memory-bound"]], body)
 
 
-def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype,
-           duration_sec: float | None = None) -> str:  # fmt: skip
+def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype, duration_sec: float | None) -> str:
     """The CLI's text: the cost table, FLOPs per token, the device table, utilization and roofline time."""
     lines = [
         str(step),
@@ -95,8 +94,7 @@ def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype,
     ]
     found = find_device(device)
     if found is None:
-        lines += ["", f"device {device}: peak rates unknown, no roofline"]
-        return "\n".join(lines)
+        return "\n".join([*lines, "", f"device {device}: peak rates unknown, no roofline"])
     name = dtype_name(dtype).upper()
     peaks = [(c, [si(found.peak(c, dtype) or 0), si(found.bandwidth), si(found.knee(c, dtype) or 0)])
              for c in OP_CLASSES]  # fmt: skip

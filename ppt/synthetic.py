@@ -11,13 +11,13 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from ppt.shards import META_FORMAT, shard_path, write_meta, write_shard
-from ppt.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
+from ppt.tokenizer import BYTE_LEVEL_CHARS, EOT_TOKEN, Tokenizer
 
 
 def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
     """A byte-level vocabulary of exactly vocab_size entries: EOT, the 256 bytes, then two-byte tokens."""
     alphabet = sorted(BYTE_LEVEL_CHARS)
-    vocab = {"<|endoftext|>": 0}
+    vocab = {EOT_TOKEN: 0}
     for token in itertools.chain(alphabet, (a + b for a in alphabet for b in alphabet)):
         if len(vocab) == vocab_size:
             break
@@ -25,7 +25,7 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|endoftext|>"])
+    backend.add_special_tokens([EOT_TOKEN])
     return Tokenizer(backend, f"synthetic-{vocab_size}", is_demo=True)
 
 

@@ -55,8 +55,7 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each document followed by EOT; the Rust batch encoder, no other special tokens."""
-        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
-        return [[*enc.ids, self.eot_id] for enc in encodings]
+        return [[*enc.ids, self.eot_id] for enc in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)
