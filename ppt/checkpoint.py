@@ -75,9 +75,8 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     if not path.is_file():
         raise PPTError(f"checkpoint {path} does not exist; pass a step_*.pt file or --resume auto")
     with open(path, "rb") as f:
-        is_archive = f.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
-    if not is_archive:
-        raise PPTError(f"{path} is not a checkpoint (not a PyTorch archive); pass a step_*.pt file of base_train")
+        if f.read(4) != b"PK\x03\x04":  # torch.save writes a zip archive
+            raise PPTError(f"{path} is not a checkpoint (not a PyTorch archive); pass a step_*.pt file of base_train")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -105,10 +104,9 @@ def latest_checkpoint(directory: Path) -> Path | None:
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Human-readable differences between two config dicts (empty when they agree)."""
-    keys = sorted(set(saved) | set(current))
     return [
         f"{k}: checkpoint={saved.get(k, '<absent>')!r} run={current.get(k, '<absent>')!r}"
-        for k in keys
+        for k in sorted(saved.keys() | current.keys())
         if saved.get(k) != current.get(k)
     ]
 

@@ -73,9 +73,8 @@ def autodetect_dtype(device: torch.device) -> torch.dtype:
         if override.lower() not in _DTYPES:
             raise PPTError(f"PPT_DTYPE={override!r} is not a dtype; use one of bf16, fp16, fp32")
         return _DTYPES[override.lower()]
-    if device.type == "cuda":
-        if torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] >= 8:
-            return torch.bfloat16
+    if device.type == "cuda" and (torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] >= 8):
+        return torch.bfloat16
     return torch.float32
 
 
@@ -190,9 +189,9 @@ def compile_enabled(choice: str, device: torch.device) -> bool:
         return False
 
 
-def maybe_compile(module: torch.nn.Module, choice: str, device: torch.device, mode: str = "default") -> torch.nn.Module:
-    """torch.compile(module, mode=mode) where compile_enabled(choice, device); else module."""
-    return torch.compile(module, mode=mode) if compile_enabled(choice, device) else module
+def maybe_compile(module: torch.nn.Module, choice: str, device: torch.device) -> torch.nn.Module:
+    """torch.compile(module) where compile_enabled(choice, device); else module."""
+    return torch.compile(module) if compile_enabled(choice, device) else module
 
 
 # ---- the command line --------------------------------------------------------------------------------------------

@@ -363,8 +363,7 @@ class MultiscreenBlock(nn.Module):
         window = self.window()
         rho = 1 + torch.exp(-self.s_r.float())  # 1 / r with r = sigmoid(s_r): the trim multiplier
         q, k, v = (unit_rows(project_heads(x, w)) for w in (self.w_q, self.w_k, self.w_v))
-        q = mipe(q, window, positions, self.config.window_threshold).to(v.dtype)
-        k = mipe(k, window, positions, self.config.window_threshold).to(v.dtype)
+        q, k = (mipe(z, window, positions, self.config.window_threshold) for z in (q, k))
         h = screening(q, k, v, window, rho, meta)  # (B, T, H, dV): sum of alpha * m * v
         # the per-head output scale e^{s_o} multiplies the small per-head w_o rather than the (B, T, H, dV)
         # activations: the same product, and its gradient is a reduction over w_o, not over every token

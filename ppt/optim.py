@@ -193,7 +193,7 @@ class HybridOptimizer(torch.optim.Optimizer):
             )
 
 
-def parameters_by_role(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def parameters_by_role(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     """Trainable parameters grouped by `model.param_roles()`; raises unless every one has exactly one valid role."""
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     roles = model.param_roles()
@@ -206,11 +206,11 @@ def parameters_by_role(model: nn.Module) -> dict[str, list[tuple[str, nn.Paramet
             f"param_roles() must name every trainable parameter once: missing {sorted(missing)}, "
             f"not trainable parameters {sorted(extra)}; fix param_roles() in ppt/model.py"
         )
-    grouped: dict[str, list[tuple[str, nn.Parameter]]] = {role: [] for role in ROLES}
+    grouped: dict[str, list[nn.Parameter]] = {role: [] for role in ROLES}
     for name, p in trainable.items():
         if roles[name] == "matrix" and p.ndim < 2:
             raise PPTError(f"parameter {name} has role 'matrix' but shape {tuple(p.shape)}; call it 'scalar'")
-        grouped[roles[name]].append((name, p))
+        grouped[roles[name]].append(p)
     return grouped
 
 
@@ -232,10 +232,10 @@ def build_optimizer(
         raise PPTError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     lr = DEFAULT_LR[name] if lr is None else lr
     groups = []
-    for role, named in parameters_by_role(model).items():
-        if not named:
+    for role, params in parameters_by_role(model).items():
+        if not params:
             continue
-        group = dict(params=[p for _, p in named], role=role, weight_decay=0.0 if role == "scalar" else weight_decay)
+        group = dict(params=params, role=role, weight_decay=0.0 if role == "scalar" else weight_decay)
         if name == "adamw":
             group |= dict(algorithm="adamw", lr=lr, betas=BETAS, eps=EPS)
         elif role == "matrix":
