@@ -209,6 +209,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     from ppt.kernels.screening import screening_metadata, screening_reference
     from ppt.kernels.screening_triton import screening_backward, screening_forward
 
+    torch.use_deterministic_algorithms(True)  # new tensors start as NaN: an element no kernel writes shows up
     g = torch.Generator().manual_seed(8)
     B, T, H, dK, dV = 2, 40, 4, 16, 16  # T not a multiple of any block; several documents per row
     meta = screening_metadata(random_doc_pos(B, T, 15, g))
