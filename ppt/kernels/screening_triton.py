@@ -178,10 +178,8 @@ def _screening_forward_kernel(
     visible, doc_start_max, first_key, last_key = _query_tile_setup(DOC_START, b, i0, T, span, BLOCK_M, BLOCK_N)
     q = _load_rows(Q, b, i0, T, stride_b, stride_t, h * DK, DK, BLOCK_M)
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
-    row_angle = (rows + (i0 - first_key)).to(tl.float32) * half_phase
-    sin_row, cos_row = _sincos(row_angle)
-    col_angle = cols.to(tl.float32) * half_phase
-    sin_col, cos_col = _sincos(col_angle)
+    sin_row, cos_row = _sincos((rows + (i0 - first_key)).to(tl.float32) * half_phase)
+    sin_col, cos_col = _sincos(cols.to(tl.float32) * half_phase)
     sin_step, cos_step = _sincos(-BLOCK_N * half_phase)
 
     acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
@@ -294,10 +292,8 @@ def _screening_dkdv_kernel(
     v = _load_rows(V, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
     # tiles are (keys x queries): the key tile is fixed and query tiles move, their half angles turning by
     # +BLOCK_M * half_phase per query tile
-    key_angle = keys.to(tl.float32) * half_phase
-    sin_key, cos_key = _sincos(key_angle)
-    query_angle = (queries + (first_query - j0)).to(tl.float32) * half_phase
-    sin_query, cos_query = _sincos(query_angle)
+    sin_key, cos_key = _sincos(keys.to(tl.float32) * half_phase)
+    sin_query, cos_query = _sincos((queries + (first_query - j0)).to(tl.float32) * half_phase)
     sin_step, cos_step = _sincos(BLOCK_M * half_phase)
 
     dk = tl.zeros((BLOCK_N, DK), dtype=tl.float32)
@@ -310,7 +306,7 @@ def _screening_dkdv_kernel(
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (keys, queries)
         g = tl.dot(v, tl.trans(dout), input_precision=PRECISION)
         trimmed = tl.maximum(rho * s + (1.0 - rho), 0.0)
-        u = cos_key[:, None] * cos_query[None, :] + sin_key[:, None] * sin_query[None, :]
+        u = _half_softmask(cos_key, sin_key, cos_query, sin_query)
         if not _tile_is_inside(i0, j0, span, tl.max(doc_start_i, axis=0), BLOCK_M, BLOCK_N):
             lag = (queries + (i0 - j0))[None, :] - keys[:, None]
             u = tl.where(_lag_is_visible(lag, _visible_count(offs_i, doc_start_i, span)[None, :]), u, 0.0)
@@ -322,24 +318,22 @@ def _screening_dkdv_kernel(
     _store_rows(DV_OUT, dv, b, j0, T, stride_vb, stride_vt, h * DV, DV, BLOCK_N)
 
 
-def _precision(q: Tensor) -> str:
-    """fp32 inputs get exact IEEE dots (no TF32 rounding); half-precision operands ignore the setting."""
-    return "ieee" if q.dtype == torch.float32 else "tf32"
-
-
 def _shape_args(q: Tensor, v: Tensor) -> tuple[int, ...]:
     """T, H and the batch/token strides of the contiguous (B, T, H, D) q/k/dq and v/dout/h tensors."""
     B, T, H, _ = q.shape
     return T, H, q.stride(0), q.stride(1), v.stride(0), v.stride(1)
 
 
-def _launch_options(blocks: Blocks) -> dict[str, int]:
-    # multiply-adds fused into FMAs, as every measurement here used: Triton 3.9 warns that its default turns this
-    # off in 3.10, so the choice is made here and holds on every Triton
-    warps, stages, *maxnreg = blocks[2:]
+def _launch_args(q: Tensor, v: Tensor, blocks: Blocks) -> dict[str, object]:
+    """The constexprs every kernel takes, and the launch options. fp32 inputs get exact IEEE dots (no TF32 rounding);
+    half-precision operands ignore the setting. Multiply-adds are fused into FMAs, as every measurement here used:
+    Triton 3.9 warns that its default turns this off in 3.10, so the choice is made here and holds on every Triton."""
+    block_m, block_n, warps, stages, *maxnreg = blocks
     return dict(
-        num_warps=warps, num_stages=stages, enable_fp_fusion=True, **({"maxnreg": maxnreg[0]} if maxnreg else {})
-    )
+        DK=q.shape[-1], DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True, **({"maxnreg": maxnreg[0]} if maxnreg else {}),
+    )  # fmt: skip
 
 
 def plan_classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
@@ -351,68 +345,16 @@ def plan_classes(plan: Plan) -> list[tuple[int, int, Blocks]]:
     return [(lo, _INT32_MAX if limit is None else limit, blocks) for lo, (limit, blocks) in zip(lows, plan)]
 
 
-def forward_class(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor,
-    span_lo: int, span_hi: int, blocks: Blocks,
-) -> None:  # fmt: skip
-    """One class's forward launch: writes `out` for the heads whose span lies in [span_lo, span_hi]."""
-    B, T, H, dK = q.shape
-    block_m, block_n = blocks[:2]
-    _screening_forward_kernel[(B * H, triton.cdiv(T, block_m))](
-        q, k, v, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
-    )  # fmt: skip
-
-
-def dq_class(
-    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dq: Tensor, partials: Tensor, window: Tensor, rho: Tensor,
-    doc_start: Tensor, span_lo: int, span_hi: int, blocks: Blocks,
-) -> None:  # fmt: skip
-    """One class's dQ launch: writes `dq` for the heads whose span lies in [span_lo, span_hi], and their d window and
-    d rho partials, one per program, at the start of their rows of `partials` (2, H, n_parts) fp32."""
-    B, T, H, dK = q.shape
-    block_m, block_n = blocks[:2]
-    _screening_dq_kernel[(B * H, triton.cdiv(T, block_m))](
-        q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v),
-        partials.shape[-1], span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **_launch_options(blocks),
-    )  # fmt: skip
-
-
-def dkdv_class(
-    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, dk: Tensor, dv: Tensor, partials: Tensor, d_window: Tensor,
-    d_rho: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor, span_lo: int, span_hi: int,
-    blocks: Blocks,
-) -> None:  # fmt: skip
-    """One class's dK/dV launch: writes `dk` and `dv` for the heads whose span lies in [span_lo, span_hi], and their
-    `d_window` and `d_rho` (H,) as the sums of their rows of the dQ launches' `partials`."""
-    B, T, H, dK = q.shape
-    block_m, block_n = blocks[:2]
-    _screening_dkdv_kernel[(B * H, triton.cdiv(T, block_n))](
-        q, k, v, grad_out, dk, dv, partials[0], partials[1], d_window, d_rho, window, rho, doc_start, doc_end,
-        *_shape_args(q, v), partials.shape[-1], span_lo, span_hi,
-        DK=dK, DV=v.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SUM_BLOCK=256,
-        **_launch_options(blocks),
-    )  # fmt: skip
-
-
-def dq_partials(q: Tensor, dq_plan: Plan | None = None) -> Tensor:
-    """The (2, H, n_parts) fp32 buffer a plan's dQ launches write their d window and d rho partials into: a row a
-    head, as long as the smallest query tiles need; with several classes a head's class may fill less of its row, so
-    the rest must read as zeros."""
-    B, T, H, _ = q.shape
-    classes = plan_classes(dq_plan or DQ_PLAN)
-    n_parts = B * max(triton.cdiv(T, blocks[0]) for _, _, blocks in classes)
-    return (torch.zeros if len(classes) > 1 else torch.empty)((2, H, n_parts), device=q.device, dtype=torch.float32)
-
-
 def screening_forward(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, plan: Plan | None = None
 ) -> Tensor:
     """h (B, T, H, dV). Inputs contiguous, validated by the caller (ppt.kernels.screening)."""
+    B, T, H, _ = q.shape
     out = torch.empty_like(v)
     for span_lo, span_hi, blocks in plan_classes(plan or FORWARD_PLAN):
-        forward_class(q, k, v, out, window, rho, doc_start, span_lo, span_hi, blocks)
+        _screening_forward_kernel[(B * H, triton.cdiv(T, blocks[0]))](
+            q, k, v, out, window, rho, doc_start, *_shape_args(q, v), span_lo, span_hi, **_launch_args(q, v, blocks)
+        )
     return out
 
 
@@ -430,13 +372,24 @@ def screening_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, d window, d rho); the per-head grads are fp32 sums of per-program partials (deterministic)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    B, T = q.shape[:2]
+    B, T, H, _ = q.shape
     new_grad = torch.empty_like if B * T else torch.zeros_like  # no dK/dV program would write them
     d_window, d_rho = new_grad(window), new_grad(rho)
-    partials = dq_partials(q, dq_plan)
-    for span_lo, span_hi, blocks in plan_classes(dq_plan or DQ_PLAN):
-        dq_class(q, k, v, grad_out, dq, partials, window, rho, doc_start, span_lo, span_hi, blocks)
+    # Each dQ program writes its d window and d rho partials into its head's row of `partials`, as long as the
+    # smallest query tiles need; with several classes a head's class may fill less of its row, so the rest must read
+    # as zeros. The dK/dV launches sum each head's row.
+    dq_classes = plan_classes(dq_plan or DQ_PLAN)
+    n_parts = B * max(triton.cdiv(T, blocks[0]) for _, _, blocks in dq_classes)
+    new_partials = torch.zeros if len(dq_classes) > 1 else torch.empty
+    partials = new_partials((2, H, n_parts), device=q.device, dtype=torch.float32)
+    for span_lo, span_hi, blocks in dq_classes:
+        _screening_dq_kernel[(B * H, triton.cdiv(T, blocks[0]))](
+            q, k, v, grad_out, dq, partials[0], partials[1], window, rho, doc_start, *_shape_args(q, v), n_parts,
+            span_lo, span_hi, **_launch_args(q, v, blocks),
+        )  # fmt: skip
     for span_lo, span_hi, blocks in plan_classes(dkdv_plan or DKDV_PLAN):
-        dkdv_class(q, k, v, grad_out, dk, dv, partials, d_window, d_rho, window, rho, doc_start, doc_end,
-                   span_lo, span_hi, blocks)  # fmt: skip
+        _screening_dkdv_kernel[(B * H, triton.cdiv(T, blocks[1]))](
+            q, k, v, grad_out, dk, dv, partials[0], partials[1], d_window, d_rho, window, rho, doc_start, doc_end,
+            *_shape_args(q, v), n_parts, span_lo, span_hi, SUM_BLOCK=256, **_launch_args(q, v, blocks),
+        )  # fmt: skip
     return dq, dk, dv, d_window, d_rho
