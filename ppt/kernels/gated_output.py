@@ -115,7 +115,7 @@ def gated_output(h: Tensor, g: Tensor, w: Tensor) -> Tensor:
 
 # Cost model, for a trace that meets the op itself (a direct call, or CUDA tensors): the reference's matmul FLOPs, so
 # N and MFU are those of the reference; the backward's torch ops are traced as they run
-def forward_cost(h: Tensor, g: Tensor, w: Tensor, *args: object, **kwargs: object) -> dict[str, int]:
+def forward_cost(h: Tensor, g: Tensor, w: Tensor) -> dict[str, int]:
     """{"matmul", "elementwise", "bytes"} of one `ppt::gated_output` call: the einsum's matmul FLOPs, the kernel's
     elementwise work per element of p, and its bytes: reads h, g and w, writes y."""
     B, T, H, dV = h.shape

@@ -260,7 +260,7 @@ def _readable(t: Tensor | None) -> bool:
     return not isinstance(t, FakeTensor)
 
 
-def _pair_count(T: int, window: Tensor | None, meta: tuple[Tensor, Tensor] | Tensor | None, B: int, H: int) -> int:
+def _pair_count(T: int, window: Tensor, meta: tuple[Tensor, Tensor] | Tensor | None, B: int, H: int) -> int:
     """In-window, in-document (query, key) pairs summed over batch and heads: query i has min(ceil(w), doc_pos_i + 1)
     keys. Without readable metadata each row is one document; without readable window values every causal pair
     counts (T (T + 1) / 2 per row and head), an upper bound."""
@@ -278,8 +278,8 @@ def _pair_count(T: int, window: Tensor | None, meta: tuple[Tensor, Tensor] | Ten
     return total
 
 
-def screening_cost(B: int, T: int, H: int, dK: int, dV: int, window: Tensor | None = None,
-                   meta: tuple[Tensor, Tensor] | Tensor | None = None,
+def screening_cost(B: int, T: int, H: int, dK: int, dV: int, window: Tensor,
+                   meta: tuple[Tensor, Tensor] | Tensor | None,
                    dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:  # fmt: skip
     """FLOPs and HBM bytes of one call over in-window, in-document pairs (`_pair_count`): forward 2 (dK + dV) FLOPs a
     pair (q.k and alpha m v), backward 4 (dK + dV) (dQ, dK, the score gradient and dV). Bytes, each tensor once:
