@@ -590,15 +590,22 @@ class Trainer:
         return np.full(self.seq_len, counts.sum() // self.seq_len, dtype=np.int64) if self.args.no_doc_masks else counts
 
     def unused_parameters(self) -> bool:
-        """Under DDP: whether one forward and backward leaves trainable parameters without a gradient on any rank (a
-        router's unchosen expert): DDP must then look for them after every forward (slower)."""
+        """Under DDP: whether one forward and backward of a row leaves trainable parameters without a gradient on any
+        rank (a router's unchosen expert, an early exit): DDP must then look for them after every forward (slower).
+        Gradients and RNG are left as found."""
         rt = self.rt
         probe = DataLoader(self.data_dir, "train", 1, self.seq_len, rt.rank, rt.world_size, self.data_seed,
                            rt.device, prefetch=0)  # fmt: skip
         inputs, targets, doc_pos = next(probe)
-        unused = parameters_without_gradient(
-            self.model, inputs, targets, None if self.args.no_doc_masks else doc_pos, rt
-        )
+        rng = ckpt.rng_state()
+        with autocast(rt.device, rt.dtype):
+            self.model(inputs, targets, None if self.args.no_doc_masks else doc_pos).backward()
+        mine = [name for name, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+        self.model.zero_grad(set_to_none=True)
+        ckpt.set_rng_state(rng)
+        every_rank: list[list[str] | None] = [None] * rt.world_size
+        torch.distributed.all_gather_object(every_rank, mine)
+        unused = sorted(set().union(*every_rank))
         if unused:
             print0(
                 f"note: {len(unused)} parameters got no gradient in a first forward and backward ({few(unused)}); "
@@ -949,22 +956,6 @@ def allocate_grads(model: torch.nn.Module) -> None:
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
-
-
-def parameters_without_gradient(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, doc_pos: torch.Tensor | None, rt: Runtime
-) -> list[str]:
-    """The trainable parameters that one forward and backward of a row leaves without a gradient on any rank (a
-    router's unchosen expert, an early exit): DDP must be told to look for them. Gradients and RNG are left as found."""
-    rng = ckpt.rng_state()
-    with autocast(rt.device, rt.dtype):
-        model(inputs, targets, doc_pos).backward()
-    mine = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    model.zero_grad(set_to_none=True)
-    ckpt.set_rng_state(rng)
-    every_rank: list[list[str] | None] = [None] * rt.world_size
-    torch.distributed.all_gather_object(every_rank, mine)
-    return sorted(set().union(*every_rank))
 
 
 def unused_parameter_error(exc: RuntimeError, step: int) -> PPTError | None:
