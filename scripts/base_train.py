@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     """The flags, over the defaults of --from-manifest and then of --recipe (explicit flags win over both)."""
     parser = build_parser()
     given, _ = parser.parse_known_args(argv)  # the flags given, over the parser's own defaults
@@ -238,8 +238,7 @@ def relaunch_defaults(path: Path, parser: argparse.ArgumentParser) -> dict[str, 
     if not isinstance(recorded, dict):
         raise PPTError(f"{path}'s 'args' is not a mapping of settings; pass the record base_train wrote")
     actions = {action.dest: action for action in parser._actions}
-    unknown = sorted(set(recorded) - set(actions))
-    if unknown:
+    if unknown := sorted(set(recorded) - set(actions)):
         warn0(f"{path} records settings this base_train does not have, ignored: {', '.join(unknown)}")
     return {
         k: checked_setting(path, actions[k], v) for k, v in recorded.items() if k in actions and k not in NOT_RELAUNCHED
@@ -250,7 +249,7 @@ def checked_setting(path: Path, action: argparse.Action, value: Any) -> Any:
     """A recorded value through its flag's own checks, which parser defaults skip (a hand-edited manifest)."""
     if value is None or isinstance(value, bool):
         return value
-    flag = action.option_strings[0] if action.option_strings else action.dest
+    flag = action.option_strings[0]  # base_train's flags are all options
     try:
         if isinstance(action.type, Number):  # the range only: a derived setting (warmup tokens) need not be whole
             dataclasses.replace(action.type, kind=float, scientific=False)(str(value))
@@ -362,6 +361,7 @@ class Trainer:
             args.eval_every = args.save_every = 0
         self.tag = args.tag or self.config_name
         self.out_dir = args.out_dir or cache_dir() / "checkpoints" / self.tag
+        self.reports_path = cache_dir() / "reports" / f"{self.tag}.json"
         self.data_seed = args.seed if args.data_seed is None else args.data_seed
         self.model_seed = args.seed if args.model_seed is None else args.model_seed
         self.use_compile = compile_enabled(args.compile, rt.device)
@@ -395,14 +395,9 @@ class Trainer:
                 hold_lock(self.reports_path.with_name(f".{self.tag}.lock"), f"the run name {self.tag!r}",
                           "give this run another --tag")  # fmt: skip
         self.state = self.resumed_state()
-        self.step = self.state.get("step", 0)
-        self.start_step = self.step
+        self.step = self.start_step = self.state.get("step", 0)
         self.tokens_seen = self.state.get("tokens", 0)
         self.skipped = self.state.get("skipped_nonfinite_steps", 0)  # the --skip-nonfinite budget spans restarts
-
-    @property
-    def reports_path(self) -> Path:
-        return cache_dir() / "reports" / f"{self.tag}.json"
 
     def resumed_state(self) -> dict[str, Any]:
         """The checkpoint --resume names, loaded into the model, optimizer, loader and RNGs ({} for a fresh run)."""
