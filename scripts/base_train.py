@@ -439,12 +439,10 @@ class Trainer:
 
     def check_run_name_free(self) -> None:
         """A fresh run may not take the name of a finished or stopped run elsewhere: its record would be replaced."""
-        if not self.reports_path.is_file():
-            return
         try:
             other = RunRecord.load(self.reports_path).out_dir
-        except PPTError:
-            other = None
+        except PPTError:  # no record by that name, or none that can be read
+            return
         if other is not None and Path(other).resolve() != self.out_dir.resolve():
             raise PPTError(
                 f"the run name {self.tag!r} is taken by the run in {other} ({self.reports_path}); give this run "
