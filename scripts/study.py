@@ -345,8 +345,7 @@ class Study:
 
     def first_budget(self, arch: Arch, size: str, budget: float) -> float:
         """The smallest budget that trains the size: a smaller one whose sizes (decided first) hold it, or this one."""
-        smaller = [b for b in self.grid.budgets if b < budget]
-        return next((b for b in smaller if size in self.decided_sizes(arch, b)), budget)
+        return next((b for b in self.grid.budgets if b < budget and size in self.decided_sizes(arch, b)), budget)
 
     def rate(self, arch: Arch, size: str, budget: float) -> tuple[float | None, list[Run]]:
         """(the size's learning rate, its sweep's runs at the budget); None until the sweep has decided."""
@@ -414,8 +413,7 @@ class Study:
         for arch in self.grid.archs:
             for size in arch.sizes:
                 with torch.device("meta"):
-                    config = get_config(size)
-                    model = build_model(replace(config, vocab_size=vocab))
+                    model = build_model(replace(get_config(size), vocab_size=vocab))
                 self.params[size] = sum(p.numel() for p in model.parameters())
 
 
@@ -496,8 +494,7 @@ def execute(study: Study, deadline: float | None) -> bool:
             started = time.perf_counter()
             status = train(study, run, deadline)
             done += 1
-            loss = study.loss(run)
-            result = f"val bpb {loss:.4f}" if status == "finished" else status
+            result = f"val bpb {study.loss(run):.4f}" if status == "finished" else status
             print(f"[{done}] {run.name}: {result}, {duration(time.perf_counter() - started)}", flush=True)
             if status == "stopped":
                 return False
@@ -550,8 +547,7 @@ def budget_settings(study: Study, budget: float) -> list[compare.Setting]:
     for run in (r for r in study.grid_runs() if r.budget == budget):
         record = study.record(run)
         if run.size not in settings:
-            epochs = record.tokens / study.train_tokens
-            label = f"{run.size} (lr {run.lr:g}, {epochs:.2g} epochs)"
+            label = f"{run.size} (lr {run.lr:g}, {record.tokens / study.train_tokens:.2g} epochs)"
             fields = compare.setting_fields(record) | {"arch": run.arch, "size": run.size}
             settings[run.size] = compare.Setting(label, fields, [])
         settings[run.size].runs.append(record)
