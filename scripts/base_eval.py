@@ -94,7 +94,7 @@ def resolve_seq_len(args: argparse.Namespace, record: RunRecord | None, max_seq_
 def resolve_eval_tokens(args: argparse.Namespace, record: RunRecord | None) -> tuple[int, str]:
     """(val token budget, where it comes from): --eval-tokens, else what the training run scored, else the default."""
     if args.eval_tokens:
-        return int(args.eval_tokens), "--eval-tokens"
+        return args.eval_tokens, "--eval-tokens"
     if record:
         return record.train.eval_tokens, "the training run's --eval-tokens, from its record"
     return DEFAULT_EVAL_TOKENS, "the default, base_train's too"
@@ -260,11 +260,9 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="ppt_demo_task_") as demo_dir:
         # found and checked now: an unknown or generative task stops the run before its bits-per-byte pass
-        tasks = (
-            None
-            if args.skip_tasks
-            else chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir), model.config.max_seq_len)
-        )
+        tasks = None
+        if not args.skip_tasks:
+            tasks = chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir), model.config.max_seq_len)
         # what contexts start with: EOT; an imported folder's, as its own tokenizer starts a text (its BOS, or nothing)
         prefix = None if tasks is None else context_prefix(run, tokenizer)
         started = time.time()

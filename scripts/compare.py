@@ -267,7 +267,6 @@ def table(
     lines = [_row(header), "|" + "---|" * len(header)]
     flagged = []  # settings whose rule could not count every mixer by its pairs: why
     for setting in settings:
-        flops = statistics.fmean(setting.final("comparison_flops"))
         reasons = {ComparisonFlops.from_state_dict(r.comparison_flops_rule).warning() for r in setting.runs} - {None}
         flagged += [f"{setting.label}: {sorted(reasons)[0]}"] if reasons else []
         speeds = [s for s in (r.median_tok_per_s() for r in setting.runs) if s is not None]
@@ -276,7 +275,7 @@ def table(
             str(len(setting.runs)),
             si(statistics.fmean(r.params for r in setting.runs)),
             si(statistics.fmean(setting.final("tokens"))),
-            f"{flops:.4g}" + " *" * bool(reasons),
+            f"{statistics.fmean(setting.final('comparison_flops')):.4g}" + " *" * bool(reasons),
             _bpb(setting.final("val_bpb"), regimes),
             _difference(setting, baseline),
             _paired(setting, baseline),
