@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ref", type=Path, default=Path(__file__).resolve().parents[1] / ".ref", help="the seed's folder")
     p.add_argument("--baseline", type=python_file, help="a screening_triton.py of another commit, timed alike")
     p.add_argument("--profile", action="store_true", help="device time of one fwd+bwd by kernel (torch.profiler)")
-    args = screening.checked(p.parse_args(argv), "bench_screening")
+    args = screening.checked(p.parse_args(argv))
     seed = load_seed(args)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, Triton interpreter"
     print(f"{device}; torch {torch.__version__}; triton {triton.__version__}")
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
 
     impls = {"ours": screening.ours()}
     if args.baseline:
-        impls[f"baseline {args.baseline.stem}"] = screening.baseline(args.baseline)
+        baseline = load_module("baseline_screening_triton", args.baseline)
+        impls[f"baseline {args.baseline.stem}"] = screening.kernel_file(baseline)
     if seed:
         impls["seed"] = seed_impl(seed)
     check = screening.reference_case(args)

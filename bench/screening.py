@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import types
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import torch
 
-from bench.common import load_module, require_cuda
+from bench.common import require_cuda
 from ppt.common import ArgumentParser, PPTError, nonneg_int, positive_float, positive_int
 from ppt.kernels import screening_triton as kernels
 from ppt.kernels.screening import screening, screening_metadata, screening_reference
@@ -27,7 +27,7 @@ SHIPPED_PLANS = {"forward": kernels.FORWARD_PLAN, "dq": kernels.DQ_PLAN, "dkdv":
 
 
 def parser(doc: str) -> ArgumentParser:
-    """A parser with the flags every screening tool takes: the shape, the inputs' seed and the device."""
+    """bench_screening's parser with the flags of its inputs: the shape, their seed and the device."""
     p = ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=positive_int, default=65536)
     p.add_argument("--row-len", type=positive_int, default=4096, help="T: tokens per row (and the longest document)")
@@ -40,10 +40,10 @@ def parser(doc: str) -> ArgumentParser:
     return p
 
 
-def checked(args: argparse.Namespace, tool: str) -> argparse.Namespace:
+def checked(args: argparse.Namespace) -> argparse.Namespace:
     """args, once the device can run the kernels and the rows divide the tokens."""
     if args.device == "cuda":
-        require_cuda(tool)
+        require_cuda("bench_screening")
     elif os.environ.get("TRITON_INTERPRET") != "1":
         raise PPTError(f"--device {args.device} runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     if args.tokens % args.row_len:
@@ -112,25 +112,8 @@ class Impl:
     train: Callable[[dict], tuple[Callable[[], object], list[torch.Tensor]]]
 
 
-def ours() -> Impl:
-    """Our kernels with the shipped plans. train: the op through autograd, as the model calls it."""
-
-    def fwd(c: dict) -> torch.Tensor:
-        return kernels.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0])
-
-    def bwd(c: dict) -> tuple:
-        return kernels.screening_backward(c["q"], c["k"], c["v"], c["window"], c["rho"], *c["meta"], c["grad_out"])
-
-    def train(c: dict) -> tuple[Callable[[], object], list[torch.Tensor]]:
-        leaves = [c[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "window", "rho")]
-        return lambda: screening(*leaves, c["meta"]).backward(c["grad_out"]), leaves
-
-    return Impl(fwd, bwd, train)
-
-
-def baseline(path: Path) -> Impl:
-    """A kernel file of another commit: its screening_forward / screening_backward with its own plans."""
-    module = load_module("baseline_screening_triton", path)
+def kernel_file(module: types.ModuleType) -> Impl:
+    """A screening_triton.py (ours or another commit's) at its own plans; train: its forward, then its backward."""
 
     def fwd(c: dict) -> torch.Tensor:
         return module.screening_forward(c["q"], c["k"], c["v"], c["window"], c["rho"], c["meta"][0])
@@ -139,6 +122,16 @@ def baseline(path: Path) -> Impl:
         return module.screening_backward(c["q"], c["k"], c["v"], c["window"], c["rho"], *c["meta"], c["grad_out"])
 
     return Impl(fwd, bwd, lambda c: ((lambda: (fwd(c), bwd(c))), []))
+
+
+def ours() -> Impl:
+    """Our kernels with the shipped plans. train: the op through autograd, as the model calls it."""
+
+    def train(c: dict) -> tuple[Callable[[], object], list[torch.Tensor]]:
+        leaves = [c[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "window", "rho")]
+        return lambda: screening(*leaves, c["meta"]).backward(c["grad_out"]), leaves
+
+    return replace(kernel_file(kernels), train=train)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
