@@ -222,25 +222,20 @@ class Progress:
 
     def __init__(self, total: int | None) -> None:
         self.total, self.tokens = total, 0
-        self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="tokenizing") if sys.stderr.isatty() else None
+        self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="tokenizing", disable=not sys.stderr.isatty())
         self.started = self.last = time.perf_counter()
 
     def update(self, tokens: int, shards: int) -> None:
         self.tokens += tokens
         now = time.perf_counter()
-        if self.bar is not None:
-            self.bar.update(tokens)
-        elif now - self.last >= PROGRESS_EVERY_S:
+        self.bar.update(tokens)
+        if self.bar.disable and now - self.last >= PROGRESS_EVERY_S:
             self.last, rate = now, self.tokens / max(now - self.started, 1e-9)
             of, eta = "", "unknown"
             if self.total is not None:
                 of, eta = f" of about {self.total:,}", duration(max(self.total - self.tokens, 0) / max(rate, 1e-9))
             line = f"tokenizing: {shards} shards written, {self.tokens:,}{of} tokens, {rate:,.0f} tokens/s, ETA {eta}"
             print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
@@ -344,7 +339,7 @@ def prepare_into(args: argparse.Namespace, job: Job, fresh: tuple[Tokenizer, dic
             else:
                 writer.finish()
         finally:
-            progress.close()
+            progress.bar.close()
     meta["progress"]["complete"] = True
     writer.write_meta()
     elapsed = time.perf_counter() - start
