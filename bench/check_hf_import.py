@@ -30,10 +30,9 @@ from ppt.data import DataLoader
 from ppt.loss_eval import evaluate_bpb
 from ppt.model_io import ModelFile, load_run, load_tokenizer_for
 from ppt.shards import shard_path, write_shard
-from ppt.tokenizer import Tokenizer
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-dir", type=Path, required=True, help="a Hugging Face Llama folder (config.json + safetensors)")
     p.add_argument("--device", default="cpu", help="where both models run, in fp32 (default cpu)")
@@ -48,17 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-bpb", type=positive_float, default=2.0, help="bits per byte a trained model stays below (default 2)"
     )
-    return p.parse_args(argv)
-
-
-def help_topics_stream(tokenizer: Tokenizer) -> np.ndarray:
-    """EOT, then every help() topic followed by EOT, in sorted topic order: a shard's token stream."""
-    texts = [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)]
-    return np.array([tokenizer.eot_id, *chain.from_iterable(tokenizer.encode_batch(texts))], dtype=np.int64)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as exc:
@@ -72,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     reference = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).to(device).eval()
     print(f"{args.hf_dir}: {run.config}; torch {torch.__version__}, {device}, fp32")
 
-    stream = help_topics_stream(tokenizer)
+    texts = [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)]
+    stream = np.array([tokenizer.eot_id, *chain.from_iterable(tokenizer.encode_batch(texts))], dtype=np.int64)
     with tempfile.TemporaryDirectory(prefix="ppt_check_hf_") as data_dir:
         write_shard(
             shard_path(data_dir, "val", 0),

@@ -27,18 +27,16 @@ OP_FORMULAS = getattr(ppt.model, "OP_FORMULAS", NO_FORMULAS)  # optional in mode
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--config", help="a config name ppt.model.get_config resolves (default: the model's DEFAULT_CONFIG)"
-    )
-    parser.add_argument("--depth", type=positive_int, help="the depth dial instead of a named config")
-    parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the config's max_seq_len)")
-    parser.add_argument("--vocab-size", type=positive_int, help="a tokenizer's vocabulary instead of the config's")
-    parser.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}, a CUDA device name, or cpu")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--duration-sec", type=positive_float, help="a measured step time: adds achieved utilization")
-    args = parser.parse_args(argv)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="a config name ppt.model.get_config resolves (default: the model's DEFAULT_CONFIG)")
+    p.add_argument("--depth", type=positive_int, help="the depth dial instead of a named config")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, help="tokens per row (default: the config's max_seq_len)")
+    p.add_argument("--vocab-size", type=positive_int, help="a tokenizer's vocabulary instead of the config's")
+    p.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}, a CUDA device name, or cpu")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--duration-sec", type=positive_float, help="a measured step time: adds achieved utilization")
+    args = p.parse_args(argv)
     config = get_config(args.config, args.depth)
     config = replace(config, vocab_size=args.vocab_size or config.vocab_size)
     with torch.device("meta"):
