@@ -138,8 +138,9 @@ def group_settings(runs: list[RunRecord]) -> list[Setting]:
         varying = [k for k in shown if len({_key(f.get(k)) for f in same_config}) > 1]
         details = ", ".join(f"{k}={_short(fields_[k])}" for k in varying)
         settings.append(Setting(str(fields_["config"]) + (f" ({details})" if details else ""), fields_, members))
+    labels = [s.label for s in settings]  # before numbering: the last of a shared label must be numbered too
     for i, setting in enumerate(settings):  # settings told apart only by a MUST_MATCH difference or optimizer groups
-        if [s.label for s in settings].count(setting.label) > 1:
+        if labels.count(setting.label) > 1:
             setting.label += f" #{i + 1}"
     return settings
 

@@ -241,3 +241,11 @@ def test_the_published_archive_compares_at_its_content_fingerprint(tmp_path):
     )
     record = json.loads(paths[0].read_text())
     assert record["format"] == 2 and record["data"]["fingerprint"].startswith("4453ef846c73")
+
+
+def test_settings_told_apart_only_by_optimizer_groups_are_each_numbered(tmp_path):
+    paths = [
+        write_manifest(tmp_path, f"groups{i}", 1.0 + i / 10, **{"train.optimizer_groups": [{"lr": i}] * i})
+        for i in range(3)
+    ]
+    assert set(rows(compare(paths))) == {"vanilla #1", "vanilla #2", "vanilla #3"}
