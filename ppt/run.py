@@ -250,14 +250,10 @@ def plot_losses(record: RunRecord, path: Path) -> Path | None:
     train = [(h["tokens"], h["loss"]) for h in record.history if "loss" in h]
     if not train:
         return None
-    import io
+    from matplotlib.figure import Figure  # no pyplot: no global backend state; a Figure saves through Agg
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
     ax.plot(*zip(*train), lw=1, label="train loss (nats/token)")
     if record.evals:
         ax2 = ax.twinx()
@@ -270,12 +266,9 @@ def plot_losses(record: RunRecord, path: Path) -> Path | None:
     ax.set_title(record.run)
     ax.legend(loc="upper right")
     fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
     try:
         with atomic_file(path) as f:
-            f.write(png.getvalue())
+            fig.savefig(f, format="png", dpi=110)
     except OSError as exc:
         warn0(f"could not write the loss curve {path} ({exc.strerror or exc})")
         return None
