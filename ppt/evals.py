@@ -226,7 +226,7 @@ def run_benchmarks(
 # Local tasks: a multiple-choice task over a JSONL file, and the offline demo built from passages of text
 
 
-def write_choice_task(examples: list[dict[str, Any]], directory: str | Path, name: str) -> Path:
+def write_choice_task(examples: list[dict[str, Any]], directory: str | Path, name: str) -> None:
     """Write `<directory>/<name>.jsonl` and `<name>.yaml`: a multiple-choice lm-eval task over local rows.
 
     Each example is {"context": str, "choices": [str, ...], "label": int}. Load it with
@@ -250,9 +250,7 @@ def write_choice_task(examples: list[dict[str, Any]], directory: str | Path, nam
         ],
         "metadata": {"version": 1.0},
     }
-    path = directory / f"{name}.yaml"
-    path.write_text(json.dumps(config, indent=1))  # JSON is YAML
-    return path
+    (directory / f"{name}.yaml").write_text(json.dumps(config, indent=1))  # JSON is YAML
 
 
 DEMO_TASK = "ppt_demo_continuation"
