@@ -198,7 +198,7 @@ class ShardWriter:
         # The first shards: the tokenizer and meta.json go first, so a kill leaves a directory the next run resumes,
         # and a prepare that fails before its first shard leaves nothing
         if self.val is not None:
-            with disk_errors(self.out / "tokenizer.json", self.shard_bytes()):
+            with self.disk_errors(self.out / "tokenizer.json"):
                 self.tokenizer.save(self.out)
             self.write_meta()
             self._write("val", self.val)
@@ -213,7 +213,7 @@ class ShardWriter:
         tok = self.tokenizer
         array = np.concatenate([np.array([tok.eot_id], dtype=token_dtype(tok.vocab_size)), *buffer.parts])
         path = shard_path(self.out, split, self.meta[split]["shards"])
-        with disk_errors(path, self.shard_bytes()):
+        with self.disk_errors(path):
             write_shard(path, array, vocab_size=tok.vocab_size, eot_id=tok.eot_id, fingerprint=tok.fingerprint,
                         demo=tok.is_demo, tokenizer_name=tok.name)  # fmt: skip
         self.meta[split]["shards"] += 1
@@ -225,12 +225,22 @@ class ShardWriter:
         for key, value in buffer.counts.items():
             self.meta[split][key] += value
 
-    def shard_bytes(self) -> int:
-        return self.meta["settings"]["shard_tokens"] * token_dtype(self.tokenizer.vocab_size).itemsize
-
     def write_meta(self) -> None:
-        with disk_errors(self.out / "meta.json", self.shard_bytes()):
+        with self.disk_errors(self.out / "meta.json"):
             write_meta(self.out, self.meta)
+
+    @contextmanager
+    def disk_errors(self, path: Path) -> Iterator[None]:
+        """A failed write (full disk, lost permission) as one line: what failed, that finished shards stay, the fix."""
+        try:
+            yield
+        except OSError as exc:
+            shard_bytes = self.meta["settings"]["shard_tokens"] * token_dtype(self.tokenizer.vocab_size).itemsize
+            raise PPTError(
+                f"could not write {path} ({exc.strerror or exc}); the finished shards are kept. Free space (a shard "
+                f"takes about {format_sizes(shard_bytes)[0]}) or pass another --out, then re-run the same command to "
+                "resume"
+            ) from exc
 
     def finish(self) -> None:
         """The source ran out: write what is left, or say why there is nothing to write and what would work."""
@@ -262,18 +272,6 @@ class ShardWriter:
             f"(--val-tokens {self.val.target_tokens}) and leave a document for training; lower --val-tokens, e.g. "
             f"--val-tokens {fits}"
         )
-
-
-@contextmanager
-def disk_errors(path: Path, shard_bytes: int) -> Iterator[None]:
-    """A failed write (full disk, lost permission) as one line: what failed, that finished shards are kept, the fix."""
-    try:
-        yield
-    except OSError as exc:
-        raise PPTError(
-            f"could not write {path} ({exc.strerror or exc}); the finished shards are kept. Free space (a shard takes "
-            f"about {format_sizes(shard_bytes)[0]}) or pass another --out, then re-run the same command to resume"
-        ) from exc
 
 
 # ---- meta.json: the record that resumes -------------------------------------------------------------------------
