@@ -145,8 +145,7 @@ def read_shard(
             f"{_describe_tokenizer(expected_name or '', expected_fingerprint)}; "
             "use the tokenizer the shards were made with, or re-run prepare with this tokenizer into another --out"
         )
-    tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
-    return info, tokens
+    return info, np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
 
 
 # ---- the data directory ------------------------------------------------------------------------------------------

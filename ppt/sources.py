@@ -250,16 +250,15 @@ def open_fineweb() -> Iterator[str]:
 
     Opens the dataset now, so an unreachable hub fails before anything is written.
     """
-    how_to_work_offline = (
-        "to work offline use `--source demo`, or local .txt/.jsonl/.parquet files, or set HF_HUB_OFFLINE=1 "
-        "with the dataset already in the Hugging Face cache"
-    )
     try:
         import datasets  # lazy: importing this script never touches the network
 
         dataset = datasets.load_dataset(FINEWEB_REPO, FINEWEB_CONFIG, split="train", streaming=not hub_offline())
     except Exception as exc:  # connection, auth, missing cache: all mean "cannot get the data"
-        raise PPTError(f"cannot open {FINEWEB_REPO} ({FINEWEB_CONFIG}): {exc}; {how_to_work_offline}") from exc
+        raise PPTError(
+            f"cannot open {FINEWEB_REPO} ({FINEWEB_CONFIG}): {exc}; to work offline use `--source demo`, or local "
+            ".txt/.jsonl/.parquet files, or set HF_HUB_OFFLINE=1 with the dataset already in the Hugging Face cache"
+        ) from exc
 
     def texts() -> Iterator[str]:
         try:
