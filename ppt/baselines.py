@@ -1,17 +1,34 @@
-"""Count baselines for study tables: the bits per byte of a unigram and a bigram model counted from the train split,
-on exactly the val targets `ppt.loss_eval.evaluate_bpb` scores for a run with the same eval budget, sequence length
-and world size. A trained model not below the bigram has learned nothing that adjacent-token counts do not know.
+"""Count baselines for study tables: the bits per byte of n-gram models (orders 1 to 4 by default) counted from the
+train split, on exactly the val targets `ppt.loss_eval.evaluate_bpb` scores for a run with the same eval budget,
+sequence length and world size. A trained model not clearly below the best of them (`in_ngram_regime`) has learned
+little that counts of the last few tokens do not know.
 
-Counts are the (previous, next) token pairs inside each train shard: every prediction a training row can make.
-Unigram: add-one (Laplace) over the vocabulary, P(w) = (c(w) + 1) / (N + V). Bigram: interpolated Witten-Bell,
-P(w | v) = (c(v, w) + T(v) P(w)) / (c(v) + T(v)), T(v) the number of distinct tokens seen after v (a context never
-seen is P(w)). Neither has a parameter, so nothing is tuned on val. As in evaluate_bpb, 0-byte targets (EOT) count
-in neither sum of bpb, bytes come from `Tokenizer.token_bytes()`, and the sums are float64.
+Context rule: a target's context is only what the model sees when it predicts it: the tokens before it in its row,
+back to and including the EOT that begins its document (SPEC.md, "Documents and packing": document masks cut
+attention there, as `doc_pos` in ppt/data.py says), and never before the row start (a row's first target sees one
+token). A target whose context holds L < n-1 tokens is scored by the order-n model as by the order-(L+1) one. Train
+counts follow the same rule over each shard's whole stream: an n-gram is counted only where its context crosses no
+document boundary, so only its first token may be an EOT.
+
+Smoothing: interpolated modified Kneser-Ney (Chen and Goodman, 1998), with no parameter, so nothing is tuned on val:
+P(w | h) = (a(hw) - D(a(hw))) / a(h.) + g(h) P(w | h'), g(h) = sum over w of D(a(hw)) / a(h.), with h' the context h
+without its oldest token and a uniform 1/V below the unigram; a context never seen gives P(w | h'). The top order
+counts a = c, the raw counts; a lower order counts a = the number of distinct tokens seen just before the n-gram, but
+an n-gram beginning with EOT, which nothing precedes, keeps its raw count. The discounts of each order and count kind
+come from the count-of-counts n1..n4 of a: Y = n1 / (n1 + 2 n2), D_k = k - (k+1) Y n_(k+1) / n_k for k = 1, 2 and
+3 (D_3 for counts of 3 or more); an estimate that is undefined or outside (0, k], which only a tiny corpus with a
+count of counts of zero gives, is k/2.
+
+Counts are exact: an n-gram is a uint64 code (V^n <= 2^64: order 4 for V <= 65536), counted by np.unique and looked
+up by searchsorted. As in evaluate_bpb, 0-byte targets (EOT) count in neither sum of bpb, bytes come from
+`Tokenizer.token_bytes()`, and the sums are float64.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +36,26 @@ import numpy as np
 from ppt.common import PPTError
 from ppt.shards import list_shards, load_data_tokenizer, read_shard
 
+# How far below the best count model a loss must be to be clearly below it: twice the typical seed-to-seed standard
+# deviation of a setting's val bpb (median 0.011 over the 18 settings of docs/results.md), about 1% of the count
+# models' bpb there.
+NGRAM_MARGIN = 0.02
 
-def val_pairs(streams: list[np.ndarray], eval_tokens: int, seq_len: int, world_size: int = 1) -> np.ndarray:
-    """(2, n) int64: the context and target of each val target evaluate_bpb scores, in file order.
+
+def order_name(n: int) -> str:
+    return {1: "unigram", 2: "bigram", 3: "trigram"}.get(n, f"{n}gram")
+
+
+def largest_order(vocab_size: int) -> int:
+    """The highest order whose n-gram codes fit 64 bits."""
+    return max(n for n in range(1, 65) if vocab_size**n <= 2**64)
+
+
+def val_rows(streams: list[np.ndarray], eval_tokens: int, seq_len: int, world_size: int = 1) -> np.ndarray:
+    """(R, seq_len + 1): the rows evaluate_bpb scores, in file order; a row's targets are row[1:].
 
     `DataLoader.val_batches` gives all ranks together the split's first R rows, R = world_size * min(eval_tokens //
-    (seq_len * world_size), rows // world_size); a shard's first k rows hold targets tokens[1 : k*seq_len + 1].
+    (seq_len * world_size), rows // world_size); a shard's k-th row is tokens[k*seq_len : (k+1)*seq_len + 1].
     """
     if seq_len < 1 or world_size < 1:
         raise PPTError(f"seq_len and world_size must be positive, got {seq_len} and {world_size}")
@@ -37,43 +68,153 @@ def val_pairs(streams: list[np.ndarray], eval_tokens: int, seq_len: int, world_s
         )
     parts = []
     for stream, shard_rows in zip(streams, rows_per_shard):
-        take = min(shard_rows, rows) * seq_len
-        parts.append(np.stack([stream[:take], stream[1 : take + 1]]).astype(np.int64))
-        rows -= take // seq_len
-    return np.concatenate(parts, axis=1)
+        take = min(shard_rows, rows)
+        parts.append(stream[np.arange(take)[:, None] * seq_len + np.arange(seq_len + 1)])
+        rows -= take
+    return np.concatenate(parts)
 
 
-def ngram_bpb(data_dir: str | Path, eval_tokens: int, seq_len: int, world_size: int = 1) -> dict[str, float | int]:
-    """Unigram and bigram bpb (train-split counts) on the val targets of a run with this eval budget and seq_len.
+def context_lengths(rows: np.ndarray, eot_id: int) -> np.ndarray:
+    """(R, T) for rows (R, T+1): how many tokens the model sees when it predicts each target rows[:, 1:], back to and
+    including the latest EOT among the inputs, else to the row start (ppt/data.py's doc_pos + 1)."""
+    positions = np.arange(rows.shape[1] - 1)
+    return positions + 1 - np.maximum.accumulate(np.where(rows[:, :-1] == eot_id, positions, 0), axis=1)
 
-    Returns `unigram`, `bigram` (bpb) and `tokens`, `bytes`: the targets scored and their bytes, as evaluate_bpb
-    reports them for the same run.
+
+def ngram_codes(rows: np.ndarray, vocab_size: int, max_order: int) -> Iterator[np.ndarray]:
+    """For n = 1 .. max_order, (R, T) uint64: the code sum_k t_k V^k of the n-gram ending at each target of rows
+    (R, T+1), t_0 the target and t_k the token k before it; meaningless where the row holds fewer than n-1 tokens
+    before the target. One array, updated in place from order to order: copy what you keep."""
+    rows = rows.astype(np.uint64)
+    codes = rows[:, 1:].copy()
+    for n in range(1, max_order + 1):
+        if n > 1:
+            codes[:, n - 2 :] += rows[:, : max(rows.shape[1] - n + 1, 0)] * np.uint64(vocab_size ** (n - 1))
+        yield codes
+
+
+def discounts(counts: np.ndarray) -> np.ndarray:
+    """[0, D_1, D_2, D_3]: modified Kneser-Ney discounts from the count-of-counts of `counts` (module docstring)."""
+    n1, n2, n3, n4 = np.bincount(np.minimum(counts, 5), minlength=6)[1:5].astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = n1 / (n1 + 2 * n2)
+        found = np.array([1 - 2 * y * n2 / n1, 2 - 3 * y * n3 / n2, 3 - 4 * y * n4 / n3])
+    k = np.arange(1, 4)
+    return np.concatenate([[0.0], np.where((found > 0) & (found <= k), found, k / 2)])
+
+
+@dataclass
+class Level:
+    """One order of the interpolation: each n-gram's discounted share of its context, and each context's backoff
+    weight g(h)."""
+
+    grams: np.ndarray  # sorted n-gram codes
+    share: np.ndarray  # (a(hw) - D(a(hw))) / a(h.)
+    contexts: np.ndarray  # sorted context codes (an n-gram's code // V)
+    backoff: np.ndarray  # g(h)
+    vocab_size: int
+
+    @classmethod
+    def count(cls, grams: np.ndarray, counts: np.ndarray, vocab_size: int) -> Level:
+        discount = discounts(counts)[np.minimum(counts, 3)]
+        context = grams // np.uint64(vocab_size)
+        first = np.ones(grams.size, bool)  # the first n-gram of each context (grams are sorted, so grouped)
+        first[1:] = context[1:] != context[:-1]
+        index = np.cumsum(first) - 1
+        totals = np.bincount(index, counts)
+        return cls(grams, (counts - discount) / totals[index], context[first], np.bincount(index, discount) / totals,
+                   vocab_size)  # fmt: skip
+
+    def probability(self, codes: np.ndarray, lower: np.ndarray) -> np.ndarray:
+        """P(w | h) of the n-grams `codes`, given P(w | h') of the order below."""
+        if self.grams.size == 0:
+            return lower
+        at = np.searchsorted(self.grams, codes).clip(max=self.grams.size - 1)
+        share = np.where(self.grams[at] == codes, self.share[at], 0.0)
+        context = codes // np.uint64(self.vocab_size)
+        at = np.searchsorted(self.contexts, context).clip(max=self.contexts.size - 1)
+        return np.where(self.contexts[at] == context, share + self.backoff[at] * lower, lower)
+
+
+class KneserNey:
+    """Interpolated modified Kneser-Ney models of orders 1 .. max_order counted from token streams that each start
+    with EOT, under the module docstring's context rule."""
+
+    def __init__(self, streams: list[np.ndarray], vocab_size: int, eot_id: int, max_order: int = 4) -> None:
+        if not 1 <= max_order <= largest_order(vocab_size):
+            raise PPTError(
+                f"max_order must be 1 to {largest_order(vocab_size)} (the longest n-gram of a {vocab_size}-token "
+                f"vocabulary whose code fits 64 bits), got {max_order}"
+            )
+        self.vocab_size, self.eot_id, self.max_order = vocab_size, eot_id, max_order
+        lengths = [context_lengths(s[None], eot_id) for s in streams]
+        orders = [ngram_codes(s[None], vocab_size, max_order) for s in streams]
+        counted = []  # per order: the distinct n-grams whose context crosses no document boundary, and their counts
+        for n in range(1, max_order + 1):
+            grams = np.concatenate([next(codes)[seen >= n - 1] for codes, seen in zip(orders, lengths)])
+            counted.append(np.unique(grams, return_counts=True))
+        self.top: list[Level] = []  # each order with raw counts: the top order of a model
+        self.lower: list[Level] = []  # each order but the last with counts of distinct preceding tokens
+        for n, (grams, counts) in enumerate(counted, 1):
+            self.top.append(Level.count(grams, counts, vocab_size))
+            if n < max_order:  # every n-gram that does not begin with EOT ends an (n+1)-gram counted
+                suffixes, preceding = np.unique(counted[n][0] % np.uint64(vocab_size**n), return_counts=True)
+                adjusted = counts.copy()
+                adjusted[np.searchsorted(grams, suffixes)] = preceding
+                self.lower.append(Level.count(grams, adjusted, vocab_size))
+
+    def probabilities(self, rows: np.ndarray) -> np.ndarray:
+        """(max_order, R, T): P(target) of each target rows[:, 1:] of rows (R, T+1) under the models of order 1 ..
+        max_order."""
+        lengths = context_lengths(rows, self.eot_id)
+        below = np.full(lengths.shape, 1 / self.vocab_size)  # P(w | h') of the lower-order chain
+        models = []
+        for n, codes in enumerate(ngram_codes(rows, self.vocab_size, self.max_order), 1):
+            top = self.top[n - 1].probability(codes, below)
+            models.append(np.where(lengths >= n - 1, top, models[-1]) if models else top)
+            if n < self.max_order:
+                below = self.lower[n - 1].probability(codes, below)
+        return np.stack(models)
+
+
+def ngram_bpb(
+    data_dir: str | Path, eval_tokens: int, seq_len: int, world_size: int = 1, max_order: int = 4
+) -> dict[str, float | int | str]:
+    """bpb of Kneser-Ney models of orders 1 .. max_order (train-split counts) on the val targets of a run with this
+    eval budget and seq_len; orders whose n-gram codes outgrow 64 bits are left out (order 4 fits V <= 65536).
+
+    Returns `unigram`, `bigram`, `trigram`, `4gram` ... (bpb), `best` (the name of the lowest), and `tokens`,
+    `bytes`: the targets scored and their bytes, as evaluate_bpb reports them for the same run.
     """
     tokenizer = load_data_tokenizer(data_dir)
-    V = tokenizer.vocab_size
 
     def streams(split: str) -> list[np.ndarray]:
         return [np.asarray(read_shard(path, tokenizer.fingerprint)[1]) for path in list_shards(data_dir, split)]
 
-    code = np.uint64 if V > 2**16 else np.uint32  # a pair (v, w) as v*V + w: V*V fits 32 bits when V <= 2**16
-    pairs = np.concatenate([s[:-1].astype(code) * V + s[1:] for s in streams("train")])
-    pair_codes, pair_counts = np.unique(pairs, return_counts=True)  # sparse counts c(v, w), sorted by code
-    unigram = (np.bincount(pair_codes % V, pair_counts, V) + 1) / (pairs.size + V)
-    context_count = np.bincount(pair_codes // V, pair_counts, V)
-    followers = np.bincount(pair_codes // V, minlength=V)
-    context, target = val_pairs(streams("val"), eval_tokens, seq_len, world_size)
-    query = (context * V + target).astype(code)
-    at = np.searchsorted(pair_codes, query).clip(max=pair_codes.size - 1)
-    seen = np.where(pair_codes[at] == query, pair_counts[at], 0)
-    p_unigram = unigram[target]
-    c, t = context_count[context], followers[context]
-    p_bigram = np.where(c > 0, (seen + t * p_unigram) / np.maximum(c + t, 1), p_unigram)
-
-    nbytes = tokenizer.token_bytes().numpy().astype(np.float64)[target]
+    rows = val_rows(streams("val"), eval_tokens, seq_len, world_size)
+    if max_order < 1:
+        raise PPTError(f"max_order must be at least 1 (the unigram), got {max_order}")
+    orders = min(max_order, largest_order(tokenizer.vocab_size))
+    model = KneserNey(streams("train"), tokenizer.vocab_size, tokenizer.eot_id, orders)
+    probabilities = model.probabilities(rows).reshape(orders, -1)
+    nbytes = tokenizer.token_bytes().numpy().astype(np.float64)[rows[:, 1:].ravel()]
     counted = nbytes > 0
     total_bytes = nbytes.sum()
 
     def bpb(p: np.ndarray) -> float:
         return float(-np.log(p[counted]).sum() / (math.log(2) * total_bytes)) if total_bytes else float("nan")
 
-    return {"unigram": bpb(p_unigram), "bigram": bpb(p_bigram), "tokens": target.size, "bytes": int(total_bytes)}
+    scores = {order_name(n): bpb(p) for n, p in enumerate(probabilities, 1)}
+    best = min(scores, key=scores.__getitem__)
+    return {**scores, "best": best, "tokens": nbytes.size, "bytes": int(total_bytes)}
+
+
+def in_ngram_regime(bpb: float, counts: Mapping[str, float | int | str], margin: float = NGRAM_MARGIN) -> bool:
+    """Whether `bpb` is not clearly below the best count model of `counts` (ngram_bpb's result): above its bpb less
+    `margin` (NGRAM_MARGIN says why 0.02)."""
+    if margin < 0 or "best" not in counts:
+        raise PPTError(
+            f"in_ngram_regime needs ngram_bpb's result and a margin of at least 0, got keys {sorted(counts)} and "
+            f"margin {margin}"
+        )
+    return bpb > counts[counts["best"]] - margin
