@@ -184,7 +184,13 @@ def _link(source: Path, lock_file: Path) -> bool:
     return True
 
 
-def release_locks() -> None:
-    """Release every lock this process holds (scripts call it when they finish; also run at exit)."""
-    while _held_locks:
+def release_locks(keep: int = 0) -> None:
+    """Release the locks this process holds, but for the first `keep` it took (scripts call it when they finish; also
+    run at exit). A caller that runs another script's main in-process releases only what that main took."""
+    while len(_held_locks) > keep:
         _held_locks.pop().release()
+
+
+def locks_held() -> int:
+    """How many locks this process holds: what a caller passes to release_locks afterwards to keep its own."""
+    return len(_held_locks)

@@ -62,7 +62,7 @@ from ppt.data import DataLoader
 from ppt.devices import peak_flops
 from ppt.flops import NO_FORMULAS, mfu_flops_per_token
 from ppt.formatting import duration
-from ppt.locks import hold_lock, lock_directory, release_locks
+from ppt.locks import hold_lock, lock_directory, locks_held, release_locks
 from ppt.loss_eval import DEFAULT_EVAL_TOKENS, autocast, evaluate_bpb
 from ppt.memory import check_memory
 from ppt.model import CONFIGS, DEFAULT_CONFIG, build_model, get_config
@@ -100,6 +100,7 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes th
 # Devices that run queued work while the host goes on: there the loop reads each step a step late (Trainer.loop). A
 # CPU computes as the host queues, so reading late would gain nothing and time each step by its successor's work.
 LATE_READ_DEVICES = ("cuda",)
+TOTAL_BATCH_TOKENS = 524_288  # tokens a step, all ranks together, unless --total-batch-tokens
 CHECKPOINT_FORMAT = 2  # a checkpoint records its settings (TrainSettings), which a resume must continue
 
 
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     (main may run in-process)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     deterministic = torch.are_deterministic_algorithms_enabled()
+    held = locks_held()  # a caller's own locks (a study's on its directory) stay held
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         trainer = Trainer(parse_args(argv), argv)
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.finish()
     finally:
         shutdown_runtime(wait=False)  # stopped by an error: the process then exits with its message, not an abort
-        release_locks()  # the output directory's and the run name's
+        release_locks(keep=held)  # the output directory's and the run name's
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         if torch.are_deterministic_algorithms_enabled() != deterministic:  # the call imports torch._inductor
@@ -340,7 +342,7 @@ class Trainer:
             config = dataclasses.replace(config, **{TRAIN_LENGTH_FIELD: self.seq_len})
         self.config = config
         self.config_dict = {"class": type(config).__name__, **dataclasses.asdict(config)}
-        self.total_batch = args.total_batch_tokens or 524_288
+        self.total_batch = args.total_batch_tokens or TOTAL_BATCH_TOKENS
         self.device_batch = args.device_batch_size or max(
             1, min(32, self.total_batch // (self.seq_len * rt.world_size))
         )

@@ -257,14 +257,19 @@ def budget_notes(settings: list[Setting]) -> list[str]:
 
 
 def table(
-    settings: list[Setting], baseline: Setting, differing: list[str], regimes: dict[str, float] | None = None
+    settings: list[Setting],
+    baseline: Setting,
+    differing: list[str],
+    regimes: dict[str, float] | None = None,
+    times: bool = True,
 ) -> str:
-    """The markdown table, one row per setting; `regimes` (unigram and bigram bpb of the val tokens) add rows."""
+    """The markdown table, one row per setting; `regimes` (count-model bpb of the val tokens) add rows; `times`: the
+    runs' wall time and tokens/s (a study leaves them out: they depend on what trained beside each run)."""
     regimes = regimes or {}
     benchmarks = list(dict.fromkeys(label for s in settings for r in s.runs for label in r.benchmark_scores()))
     header = ["setting", "seeds", "params", "tokens", "comparison FLOPs", "val bpb",
-              f"Δ bpb vs {baseline.label} (95% CI)", "paired Δ (95% CI)", "wall time", "tok/s", *differing,
-              *benchmarks]  # fmt: skip
+              f"Δ bpb vs {baseline.label} (95% CI)", "paired Δ (95% CI)", *["wall time", "tok/s"] * times,
+              *differing, *benchmarks]  # fmt: skip
     lines = [_row(header), "|" + "---|" * len(header)]
     flagged = []  # settings whose rule could not count every mixer by its pairs: why
     for setting in settings:
@@ -280,8 +285,8 @@ def table(
             _bpb(setting.final("val_bpb"), regimes),
             _difference(setting, baseline),
             _paired(setting, baseline),
-            duration(statistics.fmean(setting.final("wall_time_s"))),
-            si(statistics.fmean(speeds)) if speeds else "-",
+            *[duration(statistics.fmean(setting.final("wall_time_s"))), si(statistics.fmean(speeds)) if speeds else "-"]
+            * times,
         ]
         cells += [", ".join(sorted({_cell(name, MUST_MATCH[name](r)) for r in setting.runs})) for name in differing]
         for label in benchmarks:

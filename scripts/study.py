@@ -48,7 +48,6 @@ tokens and GPU-seconds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import signal
@@ -64,18 +63,24 @@ import torch
 
 from ppt import frontier
 from ppt.baselines import ngram_bpb
-from ppt.common import ArgumentParser, PPTError, atomic_file, positive_float, run_cli
+from ppt.common import ArgumentParser, PPTError, atomic_file, nonneg_int, positive_float, positive_int, run_cli
 from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
-from ppt.run import RunRecord
+from ppt.run import RunRecord, git_state, hardware
 from scripts import base_train, compare
+from scripts.launchers import Job, LocalPool, SlurmLauncher, SlurmSettings, chosen_gpus, jobs_in_flight, last_error
 
 # Flags the study sets itself for every run; a grid that passed them would make runs that are not what they say
 OWNED_FLAGS = ("--config", "--depth", "--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops",
                "--target-tokens", "--tag", "--out-dir", "--resume", "--from-manifest", "--deterministic")  # fmt: skip
 GRID_KEYS = ("name", "data_dir", "seeds", "budgets", "baseline", "sizes_per_budget", "tokens_per_param", "max_epochs",
-             "args", "arch")  # fmt: skip
+             "args", "arch", "slurm")  # fmt: skip
+RUNS_PER_GPU = 1
 MAX_EXTENSIONS = 3  # rates added past either end of a sweep
+STATUS_EVERY = 180  # seconds between status lines off a terminal
+WAIT_S = 2.0  # how long the study waits for a run to end before it looks at signals and the deadline again
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+TIMING_STEPS = 40  # steps a --time measurement runs
 
 
 @dataclass
@@ -98,6 +103,7 @@ class Grid:
     sizes_per_budget: int = 3
     tokens_per_param: float = 20.0
     max_epochs: float = 4.0
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,20 @@ def _flags(path: Path, value: object, where: str) -> list[str]:
     return value
 
 
+def _slurm_settings(path: Path, table: object) -> SlurmSettings:
+    """The grid's [slurm] table: partition, time_min, gpus_per_run, cpus_per_run, account, sbatch (a list of flags)."""
+    if not isinstance(table, dict) or set(table) - set(SLURM_FLAGS):
+        raise _fail(path, f"[slurm] takes {', '.join(SLURM_FLAGS)}, got {table!r}")
+    kinds = {"partition": str, "account": str, "time_min": int, "gpus_per_run": int, "cpus_per_run": int}
+    for key, value in table.items():
+        if key == "sbatch":
+            _flags(path, value, "[slurm] sbatch")
+        elif not isinstance(value, kinds[key]) or isinstance(value, bool) or (kinds[key] is int and value < 0):
+            raise _fail(path, f"[slurm] {key} must be a {'non-negative integer' if kinds[key] is int else 'string'}, "
+                              f"got {value!r}")  # fmt: skip
+    return SlurmSettings(**table)
+
+
 def load_grid(path: Path) -> Grid:
     """Read and check a grid file; every problem is one PPTError naming the key."""
     try:
@@ -188,6 +208,7 @@ def load_grid(path: Path) -> Grid:
         sizes_per_budget=_numbers(path, raw, "sizes_per_budget", int, 3)[0],
         tokens_per_param=_numbers(path, raw, "tokens_per_param", float, 20.0)[0],
         max_epochs=_numbers(path, raw, "max_epochs", float, 4.0)[0],
+        slurm=_slurm_settings(path, raw.get("slurm", {})),
     )
     if grid.sizes_per_budget < 3:
         raise _fail(path, "`sizes_per_budget` must be at least 3: a parabola through fewer sizes has no minimum")
@@ -221,10 +242,6 @@ def _check_argv(path: Path, grid: Grid, run: Run) -> None:
 LAUNCH_FLAGS = ("--compile-mode", "--data-dir", "--out-dir")
 
 
-def _compile_mode(argv: list[str]) -> str | None:
-    return argv[argv.index("--compile-mode") + 1] if "--compile-mode" in argv else None
-
-
 def _computation(argv: list[str]) -> list[str]:
     """The flags without LAUNCH_FLAGS and their values."""
     return [flag for prev, flag in zip([None, *argv], argv) if flag not in LAUNCH_FLAGS and prev not in LAUNCH_FLAGS]
@@ -239,13 +256,25 @@ class Study:
         self.grid, self.out, self.deterministic = grid, out, deterministic
         self.archs = {a.name: a for a in grid.archs}
         self.params: dict[str, int] = {}  # config name -> parameters, filled by measure_sizes
+        self.min_tokens: dict[str, float] = {}  # arch -> the tokens base_train needs at least (one step, the warmup)
         self.train_tokens = math.inf  # tokens of the train split, filled by measure_sizes
         self.data_fingerprint: str | None = None  # of the data's tokens (ppt.shards), filled by measure_sizes
         self.decisions: dict[str, Any] = {"rates": {}, "sizes": {}}
         self.finished: dict[Run, RunRecord] = {}  # records of finished runs, read once
+        # the runs' records register in the study's directory (<out>/reports), not in the user's cache: run names
+        # are the study's, and another study of the same grid elsewhere has runs of the same names
+        self.run_env = {"PPT_CACHE": str(out.resolve())}
 
     def run_dir(self, run: Run) -> Path:
         return self.out / "runs" / run.name
+
+    def speeds(self) -> dict[str, Any]:
+        """What `--time` measured ({} before it has run)."""
+        path = self.out / "speeds.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def log(self, run: Run) -> Path:
+        return self.out / "logs" / f"{run.name}.log"
 
     def record(self, run: Run) -> RunRecord | None:
         """The run's record once it has finished; None before (a run that stopped midway resumes)."""
@@ -321,14 +350,29 @@ class Study:
                 return sizes, []
 
     def allowed_sizes(self, arch: Arch, budget: float) -> list[str]:
-        """The sizes that read at most max_epochs of the train split at this budget."""
-        return [s for s in arch.sizes if self.tokens_at(s, budget) <= self.grid.max_epochs * self.train_tokens]
+        """The sizes a run at this budget can train: at most max_epochs of the train split, and at least the tokens
+        base_train needs (one step, and the warmup if the grid sets one)."""
+        return [s for s in arch.sizes if self.why_not(arch, s, budget) is None]
+
+    def why_not(self, arch: Arch, size: str, budget: float) -> str | None:
+        """Why the size cannot train at the budget, or None."""
+        tokens = self.tokens_at(size, budget)
+        if tokens > self.grid.max_epochs * self.train_tokens:
+            epochs = tokens / self.train_tokens
+            return f"would read {epochs:.2g} epochs, over max_epochs {self.grid.max_epochs:g}"
+        if tokens < (least := self.min_tokens[arch.name]):
+            return f"would read {tokens:,.0f} tokens, less than one step and the warmup ({least:,.0f})"
+        return None
 
     def tokens_at(self, size: str, budget: float) -> float:
         """Tokens a run of the size reads at the budget: at the comparison FLOPs per token that a finished run of
-        the size realized (its attention and screening counted over real documents), else C / 6N."""
-        done = [rec for run, rec in self.finished.items() if run.size == size]
-        return budget * done[0].tokens / done[0].comparison_flops if done else budget / (6 * self.params[size])
+        the size realized (its attention and screening counted over real documents), else C / 6N. The run is the
+        first by (budget, seed, rate, variant), so that the order runs finished in does not matter."""
+        done = [run for run in self.finished if run.size == size]
+        if not done:
+            return budget / (6 * self.params[size])
+        record = self.finished[min(done, key=lambda r: (r.budget, r.seed, r.lr, r.variant))]
+        return budget * record.tokens / record.comparison_flops
 
     def prior_sizes(self, arch: Arch, budget: float) -> list[str]:
         """The sizes_per_budget sizes nearest, in log parameters, to where tokens_per_param puts the optimum:
@@ -411,6 +455,9 @@ class Study:
         self.train_tokens = read_meta(self.grid.data_dir)["train"]["tokens"]
         self.data_fingerprint = dataset_fingerprint(self.grid.data_dir)
         for arch in self.grid.archs:
+            flags = base_train.parse_args(self.argv(Run(arch.name, arch.sizes[0], 1.0, 1.0, 0)))
+            self.min_tokens[arch.name] = max(flags.total_batch_tokens or base_train.TOTAL_BATCH_TOKENS,
+                                             flags.warmup_tokens or 0)  # fmt: skip
             for size in arch.sizes:
                 with torch.device("meta"):
                     model = build_model(replace(get_config(size), vocab_size=vocab))
@@ -418,50 +465,7 @@ class Study:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Training the runs: in this process, one at a time
-
-
-class _Deadline(Exception):
-    pass
-
-
-def _at_deadline(signum: int, frame: object) -> None:
-    """SIGALRM at the deadline: base_train's SIGTERM handler, once installed, stops the run at the end of a step
-    with a checkpoint saved; before that the run stops where it is."""
-    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        raise _Deadline
-    signal.raise_signal(signal.SIGTERM)
-
-
-def train(study: Study, run: Run, deadline: float | None) -> str:
-    """Train one run through base_train.main, its output in its log. Returns "finished", "diverged" or "stopped"
-    (at the deadline: it resumes when the study runs again, from its checkpoint if it saved one)."""
-    log = study.out / "logs" / f"{run.name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    argv = study.argv(run)
-    if deadline is not None:
-        signal.signal(signal.SIGALRM, _at_deadline)
-        signal.setitimer(signal.ITIMER_REAL, max(1.0, deadline - time.time()))
-    torch._dynamo.reset()  # graphs of the last run's model: dynamo would count them against this one's recompiles
-    with open(log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-        print(f"$ python -m scripts.base_train {' '.join(argv)}", flush=True)
-        try:
-            base_train.main(argv)
-            status = "finished"
-        except PPTError as exc:
-            print(f"error: {exc}", flush=True)
-            status = "diverged" if "non-finite loss" in str(exc) else f"failed: {exc}"
-        except _Deadline:
-            status = "stopped"
-        except SystemExit as exc:  # the deadline's SIGTERM
-            status = "stopped" if exc.code == 128 + signal.SIGTERM else f"failed: exit {exc.code}"
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    if status == "diverged":
-        (study.run_dir(run) / "DIVERGED").touch()
-    if status.startswith("failed"):
-        raise PPTError(f"{run.name} {status}; its log: {log}. Fix the cause and rerun the same command to resume")
-    return status
+# Training the runs: as many at once as the launcher has slots (scripts/launchers.py)
 
 
 def seconds_needed(study: Study, run: Run) -> float:
@@ -479,27 +483,106 @@ def seconds_needed(study: Study, run: Run) -> float:
     return statistics.median(estimates or neighbours) if estimates or neighbours else 0.0
 
 
-def execute(study: Study, deadline: float | None) -> bool:
-    """Train what the plan calls for until nothing is left (True), or until no run left fits before the deadline
-    or the deadline stops one (False)."""
-    done = 0
-    while runs := study.plan():
-        if deadline is not None:
-            runs = [r for r in runs if time.time() + seconds_needed(study, r) < deadline]
-            if not runs:
-                return False
-        for run in runs:
-            if deadline is not None and time.time() + seconds_needed(study, run) > deadline:
-                continue
-            started = time.perf_counter()
-            status = train(study, run, deadline)
-            done += 1
-            result = f"val bpb {study.loss(run):.4f}" if status == "finished" else status
-            print(f"[{done}] {run.name}: {result}, {duration(time.perf_counter() - started)}", flush=True)
-            if status == "stopped":
-                return False
-        # the finished runs may call for more (sweep extensions, sizes): plan again
-    return True
+class Progress:
+    """A line when a run starts and when it ends; off a terminal also a status line every STATUS_EVERY seconds."""
+
+    def __init__(self, study: Study, launcher: LocalPool | SlurmLauncher) -> None:
+        self.study, self.launcher = study, launcher
+        self.shown = time.time()
+
+    def started(self, run: Run, job: Job) -> None:
+        print(f"start {self.describe(run)} on {job.where}", flush=True)
+
+    def ended(self, run: Run, job: Job, outcome: str, counts: str) -> None:
+        print(f"end   {self.describe(run)} on {job.where}: {outcome}, {duration(time.time() - job.started)} "
+              f"({counts})", flush=True)  # fmt: skip
+
+    @staticmethod
+    def describe(run: Run) -> str:
+        return f"{run.size} at {run.budget:.3g} FLOPs, seed {run.seed}{run.variant}, lr {run.lr:g}"
+
+    def status(self, running: dict[Run, Job], queued: list[Run], force: bool = False) -> None:
+        if not force and (sys.stdout.isatty() or time.time() - self.shown < STATUS_EVERY):
+            return
+        self.shown = time.time()
+        done = [r for r in self.study.finished.values() if r.finished]
+        hours = sum(r.wall_time_s / r.hardware.get("runs_per_gpu", 1) for r in done) / 3600
+        left = sum(seconds_needed(self.study, r) for r in queued)
+        print(f"status: {len(done)} runs done, {len(running)} running, {len(queued)} queued; {hours:.2f} "
+              f"{self.launcher.device}-hours so far; the queued runs need about {duration(left)} of run time by the "
+              "finished runs' speeds (their results may call for more)", flush=True)  # fmt: skip
+
+
+def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float | None) -> str:
+    """Train what the plan calls for, up to the launcher's slots at once, planning again whenever a run ends: the
+    plan depends only on the runs finished, so the runs and decisions are those of one run at a time. Returns
+    "complete", "deadline" (no run left fits before it, or it stopped runs), "stopped" (SIGINT or SIGTERM: the runs
+    were stopped, each with a checkpoint) or "failed" (runs that failed twice, reported; the others went on)."""
+    runs_by_name = {r.name: r for r in study.plan()}
+    running = {runs_by_name[job.name]: job for job in launcher.adopt(
+        {name: study.run_dir(run) for name, run in runs_by_name.items()}) if job.name in runs_by_name}  # fmt: skip
+    attempts: dict[Run, int] = {}
+    failed: dict[Run, str] = {}
+    signals: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: signals.append(signum)) for sig in STOP_SIGNALS}
+    progress = Progress(study, launcher)
+    print(f"training on {launcher.describe()}", flush=True)
+    try:
+        while True:
+            out_of_time = deadline is not None and time.time() >= deadline
+            if (signals or out_of_time) and running:
+                for job in running.values():
+                    launcher.stop(job)
+            queued = [r for r in study.plan() if r not in running and r not in failed]
+            for run in [] if signals or out_of_time else queued:
+                if launcher.capacity < 1:
+                    break
+                if deadline is not None and time.time() + seconds_needed(study, run) > deadline:
+                    continue
+                study.log(run).parent.mkdir(parents=True, exist_ok=True)
+                running[run] = job = launcher.start(run.name, study.argv(run), study.log(run), study.run_env)
+                attempts[run] = attempts.get(run, 0) + 1
+                progress.started(run, job)
+            if not running:
+                break
+            progress.status(running, [r for r in queued if r not in running])
+            for job, code in launcher.wait(timeout=WAIT_S):
+                run = next(r for r, j in running.items() if j is job)
+                del running[run]
+                outcome = outcome_of(study, run, code, asked_to_stop=bool(signals) or out_of_time)
+                if outcome.startswith("failed") and attempts.get(run, 1) >= 2:
+                    failed[run] = outcome
+                    outcome += f"; its log: {study.log(run)}"
+                elif outcome.startswith("failed"):
+                    outcome += "; trying it once more, resumed"
+                counts = f"{len(study.finished)} done, {len(running)} running"
+                progress.ended(run, job, outcome, counts)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if signals:
+        return "stopped"
+    if failed:
+        print(f"{len(failed)} runs failed twice:", flush=True)
+        for run, outcome in failed.items():
+            print(f"- {run.name}: {outcome}", flush=True)
+        return "failed"
+    return "deadline" if study.plan() else "complete"
+
+
+def outcome_of(study: Study, run: Run, code: int | None, asked_to_stop: bool) -> str:
+    """What a run's exit status means: its val bpb; "diverged" (marked, so the plan counts it infinitely bad);
+    "stopped" when the study stopped it (it resumes from its checkpoint next time); else "failed (...)" and the log's
+    last error line."""
+    if code == 0 and (loss := study.loss(run)) is not None:
+        return f"val bpb {loss:.4f}"
+    error = last_error(study.log(run))
+    if code == 2 and "non-finite loss" in error:
+        (study.run_dir(run) / "DIVERGED").touch()
+        return "diverged"
+    if code == 128 + signal.SIGTERM and asked_to_stop:
+        return "stopped"
+    return f"failed ({'killed' if code is None else f'exit {code}'}): {error}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -507,20 +590,45 @@ def execute(study: Study, deadline: float | None) -> bool:
 
 
 def run_results(study: Study) -> list[frontier.RunResult]:
-    """The verdict's runs. GPU-seconds: a run's tokens at its size's training speed, the median over the size's
-    finished --deterministic runs made in the grid's --compile-mode (each alone on the GPU): one setting times all."""
-    mode = _compile_mode(study.grid.args)
-    speeds: dict[str, list[float]] = {}
-    for run, record in study.finished.items():
-        if _compile_mode(record.argv) == mode and not run.variant.startswith("-nondet"):
-            speeds.setdefault(run.size, []).append(record.median_tok_per_s())
+    """The verdict's runs; GPU-seconds: a run's tokens at its size's training speed as `--time` measured it (None for a
+    size it has not timed), never the runs' own speeds, which depend on what trained beside them."""
+    speeds = {size: statistics.median(s) for size, s in study.speeds().get("tok_per_s", {}).items()}
     results = []
     for run in study.grid_runs():
         record = study.record(run)
-        seconds = record.tokens / statistics.median(speeds[run.size]) if run.size in speeds else None
+        seconds = record.tokens / speeds[run.size] if run.size in speeds else None
         results.append(frontier.RunResult(run.arch, run.budget, record.params, run.seed, record.final_val.val_bpb,
                                           record.comparison_flops, record.tokens, seconds))  # fmt: skip
     return results
+
+
+def time_sizes(study: Study, launcher: LocalPool, repeats: int) -> None:
+    """--time N: each size the verdict reads, N times, sizes interleaved, each alone on a GPU: base_train --benchmark
+    with the size's flags for TIMING_STEPS steps (the summary's tokens/s leaves out the first 5). Written to
+    <out>/speeds.json with the code and hardware they were measured on."""
+    sizes = {run.size: run for run in sorted(study.grid_runs(), key=lambda r: -r.budget)}  # the longest run's flags
+    todo = [(size, i) for i in range(repeats) for size in sizes]
+    speeds: dict[str, list[float]] = {}
+    jobs: dict[str, tuple[str, Path]] = {}
+    while todo or jobs:
+        while todo and launcher.capacity:
+            size, i = todo.pop(0)
+            log = study.out / "timing" / f"{size}-{i}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            argv = [*study.argv(sizes[size]), "--benchmark", "--max-steps", str(TIMING_STEPS)]
+            argv += ["--out-dir", str(log.parent)]
+            jobs[launcher.start(f"{size}-{i}", argv, log, study.run_env).name] = (size, log)
+        for job, code in launcher.wait(timeout=WAIT_S):
+            size, log = jobs.pop(job.name)
+            summary = [line for line in log.read_text().splitlines() if line.startswith("benchmark {")]
+            if code != 0 or not summary:
+                raise PPTError(f"timing {job.name} failed: {last_error(log)}; its log: {log}")
+            speeds.setdefault(size, []).append(json.loads(summary[-1].removeprefix("benchmark "))["tok_per_s"])
+            print(f"timed {job.name} on {job.where}: {speeds[size][-1]:,.0f} tok/s", flush=True)
+    timed = {"measured": time.strftime("%Y-%m-%d"), "git": git_state(), "hardware": hardware(), "steps": TIMING_STEPS,
+             "tok_per_s": speeds}  # fmt: skip
+    with atomic_file(study.out / "speeds.json") as f:
+        f.write(json.dumps(timed, indent=1).encode())
 
 
 def floor_text(study: Study) -> str:
@@ -574,10 +682,9 @@ def edge_notes(study: Study, tables: dict[float, list[compare.Setting]]) -> list
             at = arch.sizes.index(best) + step
             if not 0 <= at < len(arch.sizes):
                 notes.append(f"{where}, and the grid lists none past it: the optimum may lie beyond; add sizes")
-            else:
-                epochs = study.tokens_at(arch.sizes[at], budget) / study.train_tokens
-                notes.append(f"{where}; {arch.sizes[at]} would read {epochs:.2g} epochs, over max_epochs "
-                             f"{study.grid.max_epochs:g}: the frontier point there is limited by the data")  # fmt: skip
+            elif why := study.why_not(arch, arch.sizes[at], budget):
+                limit = "the data" if "epochs" in why else "the budget"
+                notes.append(f"{where}; {arch.sizes[at]} {why}: the frontier point there is limited by {limit}")
     return notes
 
 
@@ -612,22 +719,21 @@ def write_results(study: Study, grid_path: Path) -> str:
     text += ["", "## The verdict\n", frontier.markdown(verdict), "", *edge_notes(study, tables), ""]
     text += [floor_text(study), ""]
     for budget, settings in tables.items():
-        table = compare.table(settings, best_setting(settings, grid.baseline), [], regimes)
+        table = compare.table(settings, best_setting(settings, grid.baseline), [], regimes, times=False)
         text.append(f"## {budget:.3g} comparison FLOPs\n\n{table}\n")
     (out / "results.md").write_text("\n".join(text))
     return "\n".join(text)
 
 
-def study_main(
-    grid_path: Path, out: Path, deterministic: bool, dry_run: bool, deadline_s: float | None, data_dir: Path | None
-) -> int:
-    grid = load_grid(grid_path)
-    grid.data_dir = data_dir or grid.data_dir
+def study_main(args: argparse.Namespace) -> int:
+    grid = load_grid(args.grid)
+    grid.data_dir = args.data_dir or grid.data_dir
+    out = args.out or Path("runs") / grid.name
     if not (grid.data_dir / "meta.json").is_file():
         raise PPTError(f"data_dir {grid.data_dir} holds no prepared shards (no meta.json); prepare it first")
-    study = Study(grid, out, deterministic)
+    study = Study(grid, out, not args.no_deterministic)
     study.measure_sizes()
-    if dry_run:
+    if args.dry_run:
         runs = study.plan()
         for run in runs:
             print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
@@ -638,21 +744,44 @@ def study_main(
             f"the finished runs time them{unknown}"
         )
         return 0
+    launcher = make_launcher(args, grid, out)
     lock_directory(out, "wait for the study using it, or pass another --out")  # makes `out`, or says why it cannot
     try:
-        complete = execute(study, None if deadline_s is None else time.time() + deadline_s)
-        decided = {"grid_file": str(grid_path), "grid": asdict(grid), "deterministic": deterministic}
+        if args.time:
+            if study.plan():
+                raise PPTError(f"{out} has runs left to train; finish the study before timing its sizes")
+            time_sizes(study, launcher, args.time)
+            print(write_results(study, args.grid))
+            return 0
+        ended = execute(study, launcher, None if args.deadline is None else time.time() + args.deadline)
+        decided = {"grid_file": str(args.grid), "grid": asdict(grid), "deterministic": study.deterministic}
         decided |= {"params": study.params, **study.decisions}
         with atomic_file(out / "study.json") as f:
             f.write(json.dumps(decided, indent=1, default=str).encode())
-        if not complete:
-            print(f"deadline: {len(study.plan())} or more runs left; rerun the same command to continue", flush=True)
-            return 3
-        print(write_results(study, grid_path))
+        if ended != "complete":
+            left = len(study.plan())
+            print(f"{ended}: {left} or more runs left; rerun the same command to continue", flush=True)
+            return {"deadline": 3, "stopped": 128 + signal.SIGINT, "failed": 1}[ended]
+        print(write_results(study, args.grid))
         print(f"\nstudy record: {out / 'study.json'}\nresults: {out / 'results.md'}\nplot: {out / 'frontier.png'}")
         return 0
     finally:
         release_locks()
+
+
+def make_launcher(args: argparse.Namespace, grid: Grid, out: Path) -> LocalPool | SlurmLauncher:
+    """The launcher the flags ask for; a study whose runs are still Slurm jobs goes on only through Slurm."""
+    if args.launcher == "slurm":
+        settings = replace(grid.slurm, **{k: v for k, v in vars(args).items() if k in SLURM_FLAGS and v is not None})
+        return SlurmLauncher(out / "slurm", settings)
+    if in_flight := jobs_in_flight(out / "slurm"):
+        jobs = " ".join(in_flight.values())
+        raise PPTError(f"{len(in_flight)} runs of {out} are Slurm jobs still queued or running ({jobs}); rerun with "
+                       f"--launcher slurm to follow them, or cancel them first: scancel {jobs}")  # fmt: skip
+    return LocalPool(chosen_gpus(args.gpus), 1 if args.time else args.runs_per_gpu)
+
+
+SLURM_FLAGS = ("partition", "time_min", "gpus_per_run", "cpus_per_run", "account", "sbatch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -664,10 +793,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, help="prepared shards, instead of the grid's data_dir")
     p.add_argument("--no-deterministic", action="store_true", help="train without --deterministic (faster)")
     p.add_argument("--dry-run", action="store_true", help="print the runs called for next and their time; run nothing")
-    p.add_argument("--deadline", type=positive_float, help="seconds: start no run after this, stop one still going")
-    args = p.parse_args(argv)
-    out = args.out or Path("runs") / load_grid(args.grid).name
-    return study_main(args.grid, out, not args.no_deterministic, args.dry_run, args.deadline, args.data_dir)
+    p.add_argument("--deadline", type=positive_float, help="seconds: start no run that would end later, stop those "
+                   "still going then (each with a checkpoint)")  # fmt: skip
+    p.add_argument("--time", type=positive_int, metavar="N", help="after the runs: time each size N times alone on a "
+                   "GPU (--benchmark, sizes interleaved) for the verdict's GPU-seconds; then the results")  # fmt: skip
+    g = p.add_argument_group("where the runs train")
+    g.add_argument("--launcher", choices=["local", "slurm"], default="local", help="this machine's GPUs (or CPU), "
+                   "or one Slurm job a run through submitit (uv sync --extra slurm)")  # fmt: skip
+    g.add_argument("--gpus", default="all", help="local: 'all' (default; the CPU on a machine without a GPU) or ids "
+                   "such as 0,1,3; each run trains on one through CUDA_VISIBLE_DEVICES")  # fmt: skip
+    g.add_argument("--runs-per-gpu", type=positive_int, default=RUNS_PER_GPU, help="local: runs at once on each GPU "
+                   f"(on the CPU without one); default {RUNS_PER_GPU}")  # fmt: skip
+    g.add_argument("--partition", help="slurm: the partition (default the grid's [slurm] partition, else Slurm's)")
+    g.add_argument("--time-min", type=positive_int, help="slurm: each job's time limit in minutes (default 60)")
+    g.add_argument("--gpus-per-run", type=nonneg_int, help="slurm: GPUs a job asks for (default 1; 0 for CPU runs)")
+    g.add_argument("--cpus-per-run", type=positive_int, help="slurm: CPUs a job asks for (default Slurm's)")
+    g.add_argument("--account", help="slurm: the account jobs are charged to")
+    g.add_argument(
+        "--sbatch",
+        action="append",
+        help="slurm: another sbatch flag for every job, e.g. --sbatch=--qos=high (repeatable)",
+    )
+    return study_main(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The study runner: its decisions (sizes around the prior, sweeps that extend at an edge, sizes added past the
-best) on a table of losses, then a miniature study end to end on CPU (two variants of the tests' architecture,
-three sizes each, two budgets, two seeds), its resume and its refusals."""
+best) on a table of losses, then the laptop study of docs/studies/cpu.toml end to end on CPU as the README runs it,
+the same runs two at a time (bit for bit), its resume, faults and refusals."""
 
 from __future__ import annotations
 
@@ -10,60 +10,28 @@ import os
 import re
 import shutil
 import socket
-import statistics
-import textwrap
-from collections.abc import Iterator
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from third_arch import GPT2Config
 
-import ppt.model
 from ppt import locks
 from ppt.common import PPTError
 from ppt.run import RunRecord
 from scripts import study
 
-SIZES = {  # added to model.py's CONFIGS while this module runs; FLOPs per token near those of model.py's d1-d3
-    **{f"gpt2-{L}x{d}": GPT2Config(n_layer=L, d_model=d) for L, d in ((1, 64), (2, 128), (3, 192))},
-    **{
-        f"gqa-{L}x{d}": GPT2Config(n_layer=L, n_head=4, n_kv_head=2, d_model=d) for L, d in ((2, 64), (3, 96), (3, 128))
-    },
-}
-
-GRID = """
-name = "mini"
-data_dir = "{data}"
-seeds = [0, 1]
-budgets = [3e9, 1e10]
-baseline = "vanilla"
-args = ["--seq-len", "32", "--total-batch-tokens", "128", "--device-batch-size", "4", "--eval-every", "0",
-        "--eval-tokens", "256", "--save-every", "0", "--compile", "off", "--device", "cpu", "--warmup-tokens", "128",
-        "--log-every", "100"]
-
-[arch.vanilla]
-sizes = ["gpt2-1x64", "gpt2-2x128", "gpt2-3x192"]
-lrs = [3e-3]
-
-[arch.gqa]
-sizes = ["gqa-2x64", "gqa-3x96", "gqa-3x128"]
-lrs = [1e-2]
-"""
+REPO = Path(__file__).resolve().parents[1]
+CPU_GRID = REPO / "docs" / "studies" / "cpu.toml"
+GRID = CPU_GRID.read_text()
+CPU_RUNS = 2 * 2 * 3 * 2 + 3  # archs x budgets x sizes x seeds, and the rerun floor's three
 
 
-@pytest.fixture(scope="module", autouse=True)
-def sizes() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        for name, config in SIZES.items():
-            mp.setitem(ppt.model.CONFIGS, name, config)
-        yield
-
-
-def write_grid(tmp_path: Path, data: Path, text: str = GRID) -> Path:
+def write_grid(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "grid.toml"
-    path.write_text(textwrap.dedent(text).format(data=data))
+    path.write_text(text)
     return path
 
 
@@ -71,6 +39,7 @@ def planned(grid: study.Grid, losses: dict) -> study.Study:
     """A study whose runs 'finish' with loss losses(run), planned until it asks for nothing more."""
     s = study.Study(grid, Path("/nonexistent"), deterministic=True)
     s.params = {size: 10 ** (i + 4) for a in grid.archs for i, size in enumerate(a.sizes)}
+    s.min_tokens = {arch.name: 1.0 for arch in grid.archs}
     s.loss = lambda run: losses(run)
     assert s.plan() == []
     return s
@@ -134,118 +103,180 @@ def test_the_epoch_cap_counts_the_tokens_a_size_really_reads():
     assert study.seconds_needed(s, replace(ran, arch="b", size="b1")) == 0.0
 
 
-def test_gpu_seconds_time_every_size_at_its_speed_in_the_grid_s_compile_mode():
-    """The equal-time view: a run's tokens over its size's median training speed among runs made in the grid's
-    --compile-mode; a size timed only in another mode has no GPU-seconds rather than a slower mode's."""
+def test_gpu_seconds_come_from_the_sizes_timed_alone_never_from_the_runs(tmp_path):
+    """The equal-time view: a run's tokens over the median of its size's --time speeds; a size not timed has none,
+    whatever speed its runs logged beside others."""
     s = planned(table_grid([1e-3]), lambda run: 1.0)
-    s.grid.args = ["--compile-mode", "reduce-overhead"]
-    for run in s.grid_runs():  # seed i runs at (i + 1) 1e5 tokens/s; b0 was only ever run in the default mode
-        mode, speed = ("default", 1.0) if run.size == "b0" else ("reduce-overhead", 1e5 * (1 + run.seed))
-        s.finished[run] = fake_record(
-            argv=["--compile-mode", mode], history=[{"tok_per_s": speed}, {"val_bpb": 1.0}], tokens=1e6,
-            params=s.params[run.size], final_val=SimpleNamespace(val_bpb=1.0), comparison_flops=1e12,
-        )  # fmt: skip
+    s.out = tmp_path
+    for run in s.grid_runs():
+        s.finished[run] = fake_record(history=[{"tok_per_s": 1.0}], tokens=1e6, params=s.params[run.size],
+                                      final_val=SimpleNamespace(val_bpb=1.0), comparison_flops=1e12)  # fmt: skip
     s.record = s.finished.get
+    (tmp_path / "speeds.json").write_text(json.dumps({"tok_per_s": {"a0": [1e5, 2e5, 4e5]}}))
     seconds = {(r.arch, r.size, r.budget, r.seed): r.seconds for r in study.run_results(s)}
-    timed = 1e6 / statistics.median([1e5, 2e5])  # the size's seeds 0 and 1
-    assert seconds[("a", 1e4, 1e12, 0)] == seconds[("a", 1e4, 1e12, 1)] == pytest.approx(timed)
-    untimed = [x for (arch, size, _, _), x in seconds.items() if (arch, size) == ("b", 1e4)]
-    assert untimed and all(x is None for x in untimed)
+    assert seconds[("a", 1e4, 1e12, 0)] == seconds[("a", 1e4, 1e12, 1)] == pytest.approx(1e6 / 2e5)
+    assert all(x is None for (arch, size, _, _), x in seconds.items() if (arch, size) != ("a", 1e4))
+
+
+def test_a_size_below_one_step_is_not_trained_and_the_dry_run_says_so(tmp_path):
+    """A budget that gives a size less than one step (or its warmup) leaves it out, like the epoch cap; too few sizes
+    left is refused by the plan, so --dry-run finds it, not run 1 (a grid that passed the dry run used to fail late)."""
+    s = planned(table_grid([1e-3]), lambda run: 1.0)
+    s.train_tokens, s.min_tokens = 1e12, {"a": 2e5, "b": 2e5}
+    # at 1e12 FLOPs a size of 1e6 parameters reads 1.7e5 tokens: out; 1e5 parameters, 1.7e6 tokens: in
+    assert s.allowed_sizes(s.archs["a"], 1e12) == ["a0", "a1"]
+    assert "166,667 tokens, less than one step and the warmup (200,000)" in s.why_not(s.archs["a"], "a2", 1e12)
+    with pytest.raises(PPTError, match="has 2 sizes that"):
+        s.plan()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# docs/studies/cpu.toml on CPU, as the README runs it
 
 
 @pytest.fixture(scope="module")
-def finished_study(demo_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    tmp = tmp_path_factory.mktemp("study")
-    grid, out = write_grid(tmp, demo_data_dir), tmp / "out"
-    with pytest.MonkeyPatch.context() as mp:  # the runs' reports: the function-scoped private cache is not set up yet
-        mp.setenv("PPT_CACHE", str(tmp / "cache"))
-        assert study.main([str(grid), "--out", str(out)]) == 0
-    return grid, out, (out / "results.md").read_text()
+def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A home whose ~/.cache/ppt/data/demo holds the demo corpus as scripts/run_cpu.sh prepares it: cpu.toml's data."""
+    from scripts.prepare_fineweb import main as prepare
+
+    home = tmp_path_factory.mktemp("home")
+    assert prepare(["--source", "demo", "--out", str(home / ".cache/ppt/data/demo"), "--workers", "1"]) == 0
+    return home
 
 
-def test_miniature_study_trains_every_size_and_seed_and_states_a_verdict(finished_study):
-    grid, out, results = finished_study
+@pytest.fixture(scope="module")
+def cpu_study(demo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`python -m scripts.study docs/studies/cpu.toml`, as written (one run at a time), in a scratch directory."""
+    work = tmp_path_factory.mktemp("readme")
+    env = {**os.environ, "HOME": str(demo_home), "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "scripts.study", str(CPU_GRID)], cwd=work, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return work / "runs" / "cpu"
+
+
+TIMES = {"started", "finished", "wall_time_s", "tok_per_s", "step_time", "data_time", "max_rss_gb", "hardware"}
+
+
+def comparable(path: Path) -> dict:
+    """A run record without what differs between two machines or launches of the same run: times, speeds, memory,
+    hardware (host and packing)."""
+
+    def clean(x: object) -> object:
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items() if k not in TIMES}
+        return [clean(v) for v in x] if isinstance(x, list) else x
+
+    return clean(json.loads(path.read_text()))
+
+
+def assert_same_study(a: Path, b: Path) -> None:
+    """The same runs, records equal but for times and hosts, and the same results.md but for its run-time line (both
+    studies in runs/cpu of their working directories, as the README's command puts them)."""
+    runs = sorted(p.relative_to(a) for p in a.glob("runs/*/*.json"))
+    assert runs == sorted(p.relative_to(b) for p in b.glob("runs/*/*.json")) and len(runs) == CPU_RUNS
+    for run in runs:
+        assert comparable(a / run) == comparable(b / run), run
+
+    def results(out: Path) -> list[str]:
+        return [line for line in (out / "results.md").read_text().splitlines() if not line.startswith("Run time:")]
+
+    assert results(a) == results(b)
+
+
+def test_the_readme_study_trains_every_size_and_seed_and_states_a_verdict(cpu_study):
+    out = cpu_study
     record = json.loads((out / "study.json").read_text())
     params = record["params"]
-    assert record["deterministic"] and params["gpt2-1x64"] < params["gpt2-2x128"] < params["gpt2-3x192"]
-    trained = {"vanilla": ["gpt2-1x64", "gpt2-2x128", "gpt2-3x192"], "gqa": ["gqa-2x64", "gqa-3x96", "gqa-3x128"]}
-    assert record["sizes"] == {f"{a} {b}": sizes for a, sizes in trained.items() for b in ("3e+09", "1e+10")}
-    assert len(record["rates"]) == 6  # one rate a size: given, not swept
+    assert record["deterministic"] and params["d1"] < params["d2"] < params["d3"]
+    assert set(record["sizes"]) == {f"{a} {b}" for a in ("vanilla", "multiscreen") for b in ("1e+10", "3e+10")}
+    assert all(len(sizes) >= 3 for sizes in record["sizes"].values()) and len(record["rates"]) >= 6
     runs = sorted(p.name for p in (out / "runs").iterdir())
-    assert len(runs) == 2 * 2 * 3 * 2 + 3  # archs x budgets x sizes x seeds, and the rerun floor's three
-    assert f"Run time: {len(runs)} finished runs in {out / 'runs'}" in results
+    assert len(runs) == CPU_RUNS
+    results = (out / "results.md").read_text()
+    assert f"Run time: {len(runs)} finished runs in {Path('runs/cpu/runs')}" in results
     for name in runs:  # seed i is --seed i for every run: one data order and one initialization seed per i
         argv = json.loads(next((out / "runs" / name).glob("*.json")).read_text())["argv"]
         assert argv[argv.index("--seed") + 1] == name.split("-s")[-1][0]
         assert ("--deterministic" in argv) == ("nondet" not in name)
-    assert "## 3e+09 comparison FLOPs" in results and "## 1e+10 comparison FLOPs" in results
-    for arch, sizes in trained.items():  # each budget's table: a row a size with both seeds, its rate and epochs
-        for budget in ("3e+09", "1e+10"):
-            table = results.split(f"## {budget} comparison FLOPs")[1]
-            bpb = {size: float(re.search(rf"^\| {size} \(lr [0-9.e-]+, [0-9.e+-]+ epochs\) \| 2 \|(?:[^|]*\|){{3}} "
-                                         r"([0-9.]+) ", table, re.M)[1]) for size in sizes}  # fmt: skip
-            # a best size at an end of those trained gets a note saying why none past it ran (the grid lists none)
-            best = min(bpb, key=bpb.get)
-            note = f"- {arch} at {budget}: its best size {best} is the"
-            assert (note in results) == (best != sizes[1]) and results.count(f"- {arch} at {budget}:") <= 1
+    assert "## 1e+10 comparison FLOPs" in results and "## 3e+10 comparison FLOPs" in results
+    for key, sizes in record["sizes"].items():  # each budget's table: a row a size with both seeds, its rate, epochs
+        arch, budget = key.split()
+        table = results.split(f"## {budget} comparison FLOPs")[1]
+        bpb = {size: float(re.search(rf"^\| {size} \(lr [0-9.e-]+, [0-9.e+-]+ epochs\) \| 2 \|(?:[^|]*\|){{3}} "
+                                     r"([0-9.]+) ", table, re.M)[1]) for size in sizes}  # fmt: skip
+        best = min(bpb, key=bpb.get)  # a best size at an end of those trained gets a note saying why none past it ran
+        assert (f"- {arch} at {budget}: its best size {best} is the" in results) == (best in (sizes[0], sizes[-1]))
     assert "bitwise equal" in results and "two runs without --deterministic" in results
     assert "bigram (train-split counts)" in results and "multiplier" in results.lower()
     assert (out / "frontier.png").stat().st_size > 1000
+    assert list((out / "reports").glob("*.json")), "the runs register in the study's directory, not the user's cache"
 
 
-def test_rerun_trains_nothing_and_a_changed_grid_is_refused(finished_study, demo_data_dir, tmp_path, capsys):
-    grid, out, _ = finished_study
+def test_two_runs_at_a_time_train_the_same_runs_bit_for_bit(cpu_study, demo_home, tmp_path, monkeypatch):
+    """Concurrency changes no decision: with 2 CPU slots the plan is recomputed whenever a run ends, and the study
+    trains the same runs, with records equal but for times and hosts, and writes the same results.md."""
+    monkeypatch.setenv("HOME", str(demo_home))
+    monkeypatch.chdir(tmp_path)
+    assert study.main([str(CPU_GRID), "--runs-per-gpu", "2"]) == 0
+    assert_same_study(cpu_study, tmp_path / "runs" / "cpu")
+
+
+def test_rerun_trains_nothing_and_a_changed_grid_is_refused(cpu_study, demo_home, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(demo_home))
+    out = cpu_study
     before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")}
-    assert study.main([str(grid), "--out", str(out)]) == 0
+    assert study.main([str(CPU_GRID), "--out", str(out)]) == 0
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")} == before
-    assert "[1]" not in capsys.readouterr().out  # nothing was trained
+    assert "start " not in capsys.readouterr().out  # nothing was trained
     launch = tmp_path / "launch.toml"  # how kernels launch is not the run's: its finished runs stand
-    launch.write_text(
-        grid.read_text().replace('args = ["--seq-len"', 'args = ["--compile-mode", "max-autotune", "--seq-len"')
-    )
+    launch.write_text(GRID.replace('args = ["--seq-len"', 'args = ["--compile-mode", "default", "--seq-len"'))
     assert study.main([str(launch), "--out", str(out), "--dry-run"]) == 0
     assert ": python -m" not in capsys.readouterr().out
     moved = tmp_path / "moved"  # nor where its files are: a study directory and its data may move
     shutil.copytree(out, moved)
-    shutil.copytree(demo_data_dir, tmp_path / "data")
-    assert study.main([str(grid), "--out", str(moved), "--data-dir", str(tmp_path / "data"), "--dry-run"]) == 0
+    data = demo_home / ".cache/ppt/data/demo"
+    shutil.copytree(data, tmp_path / "data")
+    assert study.main([str(CPU_GRID), "--out", str(moved), "--data-dir", str(tmp_path / "data"), "--dry-run"]) == 0
     assert ": python -m" not in capsys.readouterr().out
     changed = tmp_path / "changed.toml"
-    changed.write_text(grid.read_text().replace('"--eval-tokens", "256"', '"--eval-tokens", "128"'))
+    changed.write_text(GRID.replace('"--eval-tokens", "2048"', '"--eval-tokens", "1024"'))
     with pytest.raises(PPTError, match="another command"):
         study.main([str(changed), "--out", str(out)])
 
 
-def test_runs_on_other_tokens_are_refused(finished_study):
+def test_runs_on_other_tokens_are_refused(cpu_study, demo_home, monkeypatch):
     """A study's runs only pair up on the same tokens: a record made on other data (another tokenizer, other
     documents) stops the study instead of joining its fits."""
-    grid, out, _ = finished_study
-    path = next((out / "runs").rglob("*.json"))
+    monkeypatch.setenv("HOME", str(demo_home))
+    path = next((cpu_study / "runs").rglob("*.json"))
     text = path.read_text()
     record = json.loads(text)
     record["data"]["fingerprint"] = "0" * 64
     path.write_text(json.dumps(record))
     try:
         with pytest.raises(PPTError, match=r"other tokens \(data fingerprint 000000000000\) .*prepare the data it"):
-            study.main([str(grid), "--out", str(out), "--dry-run"])
+            study.main([str(CPU_GRID), "--out", str(cpu_study), "--dry-run"])
     finally:
         path.write_text(text)
 
 
-def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_data_dir, tmp_path, capsys):
+def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_home, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(demo_home))
     out = tmp_path / "out"
-    assert study.main([str(write_grid(tmp_path, demo_data_dir)), "--out", str(out), "--dry-run"]) == 0
+    assert study.main([str(CPU_GRID), "--out", str(out), "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert "gpt2-1x64-f3e+09-lr0.003-s0: python -m scripts.base_train" in printed and "--deterministic" in printed
+    assert "d1-f1e+10-lr0.003-s0: python -m scripts.base_train" in printed and "--deterministic" in printed
     planned_runs = printed.count(": python -m scripts.base_train")
     assert f"{planned_runs} runs called for now" in printed and f"{planned_runs} with no estimate" in printed
     assert not out.exists()
 
 
-def test_a_bad_out_is_refused_with_one_message_before_any_run(demo_data_dir, tmp_path):
+def test_a_bad_out_is_refused_with_one_message_before_any_run(demo_home, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(demo_home))
     (tmp_path / "a_file").write_text("mine")
     with pytest.raises(PPTError, match=r"cannot write into .*a_file/study \(Not a directory\); .*pass another --out"):
-        study.main([str(write_grid(tmp_path, demo_data_dir)), "--out", str(tmp_path / "a_file" / "study")])
+        study.main([str(CPU_GRID), "--out", str(tmp_path / "a_file" / "study")])
     assert (tmp_path / "a_file").read_text() == "mine"
 
 
@@ -254,31 +285,34 @@ def test_a_bad_out_is_refused_with_one_message_before_any_run(demo_data_dir, tmp
     [
         (lambda g: g.replace("lrs = [1e-2]", "lrs = []"), "non-empty list"),
         (lambda g: g.replace('baseline = "vanilla"', 'baseline = "gpt2"'), "not an \\[arch"),
-        (lambda g: g.replace('"--seq-len", "32"', '"--lr", "1", "--seq-len", "32"'), "--lr"),
-        (lambda g: g.replace('"gpt2-1x64", "gpt2-2x128", ', '"gpt2-2x128", '), "at least 3 config names"),
-        (lambda g: g.replace("budgets = [3e9, 1e10]", "budgets = [-1]"), "positive"),
+        (lambda g: g.replace('"--seq-len", "64"', '"--lr", "1", "--seq-len", "64"'), "--lr"),
+        (lambda g: g.replace('"d1", "d2", "d3", "d4"', '"d1", "d2"'), "at least 3 config names"),
+        (lambda g: g.replace("budgets = [1e10, 3e10]", "budgets = [-1]"), "positive"),
         (lambda g: g.replace("seeds = [0, 1]", "seeds = [0.5]"), "whole numbers"),
         (lambda g: g.replace("seeds = [0, 1]", "seeds = [0, 0]"), "repeats a value"),
         (lambda g: "sizes_per_budget = 2\n" + g, "at least 3"),
         (lambda g: "learning_rate = 3\n" + g, "unknown keys"),
         (lambda g: g + "\nlearning_rate = 3\n", "takes `sizes`, `lrs` and `args`"),
-        (lambda g: g.replace("[arch.gqa]", "[arch.gqa"), "not valid TOML"),
-        (lambda g: g.split("[arch.gqa]")[0], "at least two architectures"),
+        (lambda g: g.replace("[arch.multiscreen]", "[arch.multiscreen"), "not valid TOML"),
+        (lambda g: g.split("[arch.multiscreen]")[0], "at least two architectures"),
+        (lambda g: g + '\n[slurm]\nqueue = "a"\n', "\\[slurm\\] takes partition"),
+        (lambda g: g + "\n[slurm]\ntime_min = -1\n", "\\[slurm\\] time_min must be a non-negative integer"),
         # values base_train's parser refuses, found before any run starts
-        (lambda g: g.replace('"--seq-len", "32"', '"--seq-len", "0"'), "--seq-len: '0' is not an integer >= 1"),
+        (lambda g: g.replace('"--seq-len", "64"', '"--seq-len", "0"'), "--seq-len: '0' is not an integer >= 1"),
     ],
 )
 def test_bad_grids_are_refused_with_one_message(tmp_path, edit, message):
     with pytest.raises(PPTError, match=message):
-        study.load_grid(write_grid(tmp_path, tmp_path, edit(GRID)))
+        study.load_grid(write_grid(tmp_path, edit(GRID)))
 
 
-def test_a_second_study_on_the_same_out_is_refused(demo_data_dir, tmp_path):
+def test_a_second_study_on_the_same_out_is_refused(demo_home, tmp_path, monkeypatch):
     """The study holds its --out: a second one (or a rerun while a killed one's runs would still train) stops."""
+    monkeypatch.setenv("HOME", str(demo_home))
     out = tmp_path / "out"
     out.mkdir()
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": "now", "argv": ["study"],
              "process_start": locks._process_start(os.getpid())}  # fmt: skip
     (out / locks.LOCK_NAME).write_text(json.dumps(owner))  # a live study: this process
     with pytest.raises(PPTError, match=r"in use by another run: pid \d+.*pass another --out"):
-        study.main([str(write_grid(tmp_path, demo_data_dir)), "--out", str(out)])
+        study.main([str(CPU_GRID), "--out", str(out)])
