@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ppt import shards
+from ppt import locks, shards
 from ppt.common import PPTError
 from ppt.data import DataLoader
 from ppt.shards import load_data_tokenizer, read_meta, read_shard
@@ -196,7 +196,7 @@ def test_exact_duplicate_documents_are_dropped_and_counted_val_copies_first(tmp_
     )
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate", "delete val"])
+@pytest.mark.parametrize("damage", ["delete", "truncate", "delete val", "bad id"])
 def test_a_lost_shard_stops_training_and_the_rerun_of_prepare_rebuilds_it(tmp_path, tokenizer_path, capsys, damage):
     """meta.json records the shards: a missing one stops the loader with the fix, a missing or truncated one is
     rebuilt by the same prepare command (also asked for fewer --shards than were made), the same bytes as before."""
@@ -210,6 +210,13 @@ def test_a_lost_shard_stops_training_and_the_rerun_of_prepare_rebuilds_it(tmp_pa
         lost.write_bytes(lost.read_bytes()[:-10])
         with pytest.raises(PPTError, match=r"train_00001\.bin: truncated shard .*re-run the prepare command"):
             DataLoader(out, "train", 2, 16)
+    elif damage == "bad id":  # a flipped bit deep in the tokens: found when the shard is opened, not at its row
+        raw = bytearray(lost.read_bytes())
+        raw[-20:-18] = (60_000).to_bytes(2, "little")
+        lost.write_bytes(bytes(raw))
+        with pytest.raises(PPTError, match=r"train_00001\.bin is damaged: it holds token ids up to 60000, its header "
+                           r"records 29\d \(vocabulary 300\); re-run the prepare command"):  # fmt: skip
+            DataLoader(out, "train", 2, 16)
     else:
         lost.unlink()
         split = lost.name.split("_")[0]
@@ -219,7 +226,7 @@ def test_a_lost_shard_stops_training_and_the_rerun_of_prepare_rebuilds_it(tmp_pa
     capsys.readouterr()
     assert main([*argv, "--shards", "1"]) == 0
     printed = capsys.readouterr().out
-    assert f"{lost} is {'damaged' if damage == 'truncate' else 'missing'}: writing it" in printed
+    assert f"{lost} is {'missing' if damage.startswith('delete') else 'damaged'}: writing it" in printed
     assert "nothing to do" not in printed and shard_bytes(out) == before
 
 
@@ -244,6 +251,18 @@ def test_dataset_fingerprint_is_the_content_not_the_paths(tmp_path, tokenizer_pa
     assert (tmp_path / "a" / "val_00000.bin").read_bytes() != (tmp_path / "b" / "val_00000.bin").read_bytes()
     assert fingerprints["a"] == fingerprints["b"]
     assert len(set(fingerprints.values())) == 3
+
+
+def test_a_reader_of_a_directory_a_prepare_is_still_starting_is_told_to_wait(tmp_path):
+    lock = locks.lock_directory(tmp_path / "data", "pass another --out")  # as prepare holds it, before meta.json
+    try:
+        with pytest.raises(PPTError, match=rf"^{tmp_path / 'data'} is being written by a prepare \(pid \d+ .*\); wait "
+                           "for it to finish$"):  # fmt: skip
+            load_data_tokenizer(tmp_path / "data")
+    finally:
+        lock.release()
+    with pytest.raises(PPTError, match="meta.json is missing; create it with"):
+        load_data_tokenizer(tmp_path / "data")
 
 
 def test_resume_refuses_different_settings(tmp_path, tokenizer_path, capsys):
