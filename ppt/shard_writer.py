@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import multiprocessing
 import os
+import re
 import signal
 import sys
 from collections import deque
@@ -26,6 +27,8 @@ from ppt.shards import META_FORMAT, read_shard, shard_path, token_dtype, write_m
 from ppt.tokenizer import Tokenizer
 
 VAL_SHARE = 0.05  # of a local corpus, for the default val split
+PIECE_CHARS = 100_000  # characters the tokenizer takes at a time: it needs about 140 bytes of memory per character
+_PIECE_END = re.compile(r".*\S (?=\S)", re.DOTALL)  # up to the last space between two non-space characters
 # What meta.json counts per split, beside shards and tokens: documents written; documents read from the source (empty
 # and duplicate ones too: a resume skips that many); documents dropped as exact copies of an earlier one; and of
 # those, the copies of a val document (in train: what would have leaked val into training)
@@ -40,14 +43,35 @@ def digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
+def document_pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of at most PIECE_CHARS characters, each cut before the last space between two non-space
+    characters: a boundary of every pre-token in byte-level BPEs like cosmo2, so the pieces' tokens are the whole
+    text's. Where PIECE_CHARS characters hold no such space (text without spaces, as Chinese), the cut falls at
+    PIECE_CHARS, which can change the tokens next to it."""
+    start = 0
+    while len(text) - start > PIECE_CHARS:
+        space = _PIECE_END.match(text, start, start + PIECE_CHARS + 1)
+        end = space.end() - 1 if space else start + PIECE_CHARS
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> Encoded:
-    """Each document's token count (it ends with EOT; an empty one has 0), all tokens concatenated, its digest."""
-    keep = [i for i, text in enumerate(texts) if text.strip()]
-    encoded = tokenizer.encode_batch([texts[i] for i in keep])
-    lengths = np.zeros(len(texts), dtype=np.int64)
-    lengths[keep] = [len(ids) for ids in encoded]
-    tokens = np.fromiter(itertools.chain.from_iterable(encoded), token_dtype(tokenizer.vocab_size), int(lengths.sum()))
-    return lengths, tokens, [digest(text) for text in texts]
+    """Each document's token count (it ends with EOT; an empty one has 0), all tokens concatenated, its digest.
+
+    The tokenizer takes about PIECE_CHARS characters a call, a longer document in pieces (`document_pieces`), so
+    its memory stays bounded whatever the documents' lengths."""
+    pieces = [(i, piece) for i, text in enumerate(texts) if text.strip() for piece in document_pieces(text)]
+    last = [i != j for (i, _), (j, _) in zip(pieces, [*pieces[1:], (-1, "")])]  # the last piece of its document
+    calls = np.cumsum([len(piece) for _, piece in pieces]) // PIECE_CHARS  # runs of pieces, one call each
+    dtype, lengths, parts = token_dtype(tokenizer.vocab_size), np.zeros(len(texts), dtype=np.int64), []
+    for _, call in itertools.groupby(range(len(pieces)), key=lambda k: calls[k]):
+        call = list(call)
+        for k, ids in zip(call, tokenizer.encode_batch([pieces[k][1] for k in call])):
+            parts.append(np.array(ids if last[k] else ids[:-1], dtype))  # one EOT, after the last piece
+            lengths[pieces[k][0]] += parts[-1].size
+    return lengths, np.concatenate([np.zeros(0, dtype), *parts]), [digest(text) for text in texts]
 
 
 _worker_tokenizer: Tokenizer | None = None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppt.common import PPTError, format_sizes
+from ppt.shard_writer import encode_documents
 from ppt.tokenizer import Tokenizer, hub_offline
 
 FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"
@@ -344,7 +345,7 @@ def bytes_per_token(tokenizer: Tokenizer, documents: Iterable[str]) -> float:
             break
     if not sample:
         raise PPTError("the corpus has no documents (or only empty ones); check --source")
-    return size / sum(len(ids) for ids in tokenizer.encode_batch(sample))
+    return size / encode_documents(tokenizer, sample)[0].sum()  # in pieces, as prepare tokenizes
 
 
 def local_document_source(files: list[Path], shuffle_seed: int | None) -> Callable[[], Iterator[str]]:

@@ -50,6 +50,7 @@ from ppt.shard_writer import (
     ShardWriter,
     batched,
     check_resumable,
+    document_pieces,
     encode_in_order,
     new_meta,
     remove_leftovers,
@@ -157,7 +158,7 @@ def choose_tokenizer(args: argparse.Namespace, job: Job) -> tuple[Tokenizer, dic
             for text in job.documents():
                 counted["docs"] += 1
                 counted["bytes"] += len(text.encode("utf-8"))
-                yield text
+                yield from document_pieces(text)  # the same merges as whole, in bounded memory
 
         print(f"training a byte-level BPE of vocab {vocab} on the corpus ...", flush=True)
         started = time.perf_counter()

@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ppt import locks, shards
+from ppt import locks, shard_writer, shards
 from ppt.common import PPTError
 from ppt.data import DataLoader
 from ppt.shards import load_data_tokenizer, read_meta, read_shard
 from ppt.sources import demo_documents
-from ppt.tokenizer import train_demo_tokenizer
+from ppt.tokenizer import Tokenizer, train_demo_tokenizer
 from scripts import prepare_fineweb
 from scripts.prepare_fineweb import main
 
@@ -228,6 +228,25 @@ def test_a_lost_shard_stops_training_and_the_rerun_of_prepare_rebuilds_it(tmp_pa
     printed = capsys.readouterr().out
     assert f"{lost} is {'missing' if damage.startswith('delete') else 'damaged'}: writing it" in printed
     assert "nothing to do" not in printed and shard_bytes(out) == before
+
+
+def test_long_documents_reach_the_tokenizer_in_pieces_with_the_tokens_they_have_whole(
+    tmp_path, tokenizer_path, monkeypatch
+):
+    """The tokenizer needs about 140 bytes of memory per character it takes at once (a 50 MB one-line document took
+    6.4 GB), so it takes about PIECE_CHARS characters a call; cut before a space between two non-space characters,
+    the pieces give the tokens of the whole document: with pieces of 64 characters, the same data fingerprint."""
+    docs = [*make_docs(), "two  spaces,\n\nlines\tand tabs 12 345 , then  ' quotes' " * 30]
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", docs)), *SIZES, "--tokenizer", str(tokenizer_path)]
+    assert main([*argv, "--out", str(tmp_path / "whole"), "--workers", "1"]) == 0
+    calls = []
+    encode_batch = Tokenizer.encode_batch
+    monkeypatch.setattr(shard_writer, "PIECE_CHARS", 64)
+    monkeypatch.setattr(Tokenizer, "encode_batch", lambda tok, texts: calls.append(texts) or encode_batch(tok, texts))
+    assert main([*argv, "--out", str(tmp_path / "pieces"), "--workers", "1"]) == 0
+    assert max(len(piece) for texts in calls for piece in texts) <= 64 and max(map(len, map("".join, calls))) < 128
+    assert sum(map(len, calls)) > 2 * len(docs)  # most documents were cut
+    assert shards.dataset_fingerprint(tmp_path / "pieces") == shards.dataset_fingerprint(tmp_path / "whole")
 
 
 def test_dataset_fingerprint_is_the_content_not_the_paths(tmp_path, tokenizer_path):
