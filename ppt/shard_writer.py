@@ -163,8 +163,10 @@ class ShardWriter:
     progress in meta.json after every finished shard.
 
     The val shard is held back until the first train shard is written, so a corpus too small for both leaves
-    nothing behind. Duplicates are found by digest (16 bytes a document kept), val ones first: the val documents are
-    the first of the stream, so a later copy of one is dropped from train.
+    nothing behind. Val takes the first documents of the stream but none longer than its plan, so it stays below
+    twice the plan: a longer one goes to train, and val holds the first of them only where no document is shorter.
+    Duplicates are found by digest (16 bytes a document kept), val ones first: the val documents come first, so a
+    later copy of one is dropped from train.
     """
 
     def __init__(self, out: Path, meta: dict, tokenizer: Tokenizer, target_shards: int | None) -> None:
@@ -175,6 +177,7 @@ class ShardWriter:
         self.seen: set[bytes] = set()  # digests of the documents kept
         self.val_seen: set[bytes] = set()  # ... of those in val
         self.last_length = 0  # tokens of the last document kept
+        self.passed_over: list[tuple[int, bytes]] = []  # stream index and digest of documents too long for val
         self.tokens_written = 0
 
     def buffer(self, size: str) -> ShardBuffer:
@@ -187,10 +190,12 @@ class ShardWriter:
 
     def remember(self, texts: Iterable[str]) -> None:
         """Resuming: take the digests of the documents the finished shards consumed, so their copies are dropped."""
+        passed_over = set(self.meta["progress"].get("val_passed_over", []))  # older directories record none
+        val_end = self.meta["val"]["docs_consumed"] + len(passed_over)
         for index, text in enumerate(texts):
             doc = digest(text)
             self.seen.add(doc)
-            if index < self.meta["val"]["docs_consumed"]:
+            if index < val_end and index not in passed_over:
                 self.val_seen.add(doc)
 
     def feed(self, lengths: np.ndarray, tokens: np.ndarray, digests: list[bytes]) -> None:
@@ -200,6 +205,9 @@ class ShardWriter:
             if self.done:
                 return
             buffer = self.val if self.val is not None and not self.val.full else self.train
+            if buffer is self.val and length > buffer.target_tokens:
+                self.passed_over.append((self.val.counts["docs_consumed"] + self.train.counts["docs_consumed"], doc))
+                buffer = self.train
             buffer.counts["docs_consumed"] += 1
             if not length:
                 continue
@@ -222,6 +230,7 @@ class ShardWriter:
         # The first shards: the tokenizer and meta.json go first, so a kill leaves a directory the next run resumes,
         # and a prepare that fails before its first shard leaves nothing
         if self.val is not None:
+            self.settle_val()
             with self.disk_errors(self.out / "tokenizer.json"):
                 self.tokenizer.save(self.out)
             self.write_meta()
@@ -232,6 +241,30 @@ class ShardWriter:
         self.meta["progress"]["train_shards"].append(dict(self.meta["train"]))  # where a rebuild of the next starts
         self.done = self.finished(self.meta, self.target_shards)
         self.write_meta()
+
+    def settle_val(self) -> None:
+        """Say so when documents too long for val went to train; where none came short enough (val holds no
+        document), val takes the first of them, unless that leaves the train shard without a document."""
+        val, train = self.val, self.train
+        if not val.counts["docs"]:  # every document so far went to train: val takes the first
+            first = train.parts.pop(0)
+            if not train.parts:
+                raise PPTError(
+                    f"the first document ({first.size:,} tokens) is longer than the val split (--val-tokens "
+                    f"{val.target_tokens}) and fills a train shard by itself; val and train take whole documents, so "
+                    f"split it into several, or pass --val-tokens {first.size}"
+                )
+            val.parts.append(first)
+            val.tokens, train.tokens = val.tokens + first.size, train.tokens - first.size
+            for key in ("docs", "docs_consumed"):
+                val.counts[key], train.counts[key] = val.counts[key] + 1, train.counts[key] - 1
+            self.val_seen.add(self.passed_over.pop(0)[1])
+            print(f"note: no document came shorter than the val split ({val.target_tokens:,} tokens planned), which "
+                  f"takes whole documents: val holds the first one, {val.tokens:,} tokens")  # fmt: skip
+        elif self.passed_over:
+            print(f"note: the val split ({val.target_tokens:,} tokens planned) takes no document longer than itself: "
+                  f"{len(self.passed_over):,} went to train, and val holds {val.tokens:,} tokens")  # fmt: skip
+        self.meta["progress"]["val_passed_over"] = [index for index, _ in self.passed_over]
 
     def _write(self, split: str, buffer: ShardBuffer) -> None:
         tok = self.tokenizer
@@ -268,8 +301,10 @@ class ShardWriter:
 
     def finish(self) -> None:
         """The source ran out: write what is left, or say why there is nothing to write and what would work."""
-        if self.val is not None and (not self.val.full or not self.train.counts["docs"]):
-            self.too_small()
+        if self.val is not None and (
+            not self.train.counts["docs"] or self.val.counts["docs"] + self.train.counts["docs"] < 2
+        ):
+            self.too_small()  # val needs a document, and train another
         if self.train.counts["docs"]:
             self.flush()
         else:  # only empty or duplicate documents since the last shard: counted, no shard
@@ -329,8 +364,9 @@ def new_meta(
         "val": _zero_counts(),
         "train": _zero_counts(),
         # exhausted: the source ran out; complete: the last prepare finished; train_shards: the train counts after
-        # each train shard, where a rebuild of the next one starts
-        "progress": {"exhausted": False, "complete": False, "train_shards": []},
+        # each train shard, where a rebuild of the next one starts; val_passed_over: the stream index of each document
+        # longer than the val split that went to train while val filled
+        "progress": {"exhausted": False, "complete": False, "train_shards": [], "val_passed_over": []},
     }
 
 

@@ -113,8 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="data directory (default <cache>/data/fineweb-edu, .../demo or .../local)")
     p.add_argument("--shards", type=positive_int, help="train shards (default: 1 for fineweb, all the data otherwise)")
     p.add_argument("--shard-tokens", type=SHARD_TOKENS, help="tokens per train shard (default 100M; demo 100k)")
-    p.add_argument("--val-tokens", type=SHARD_TOKENS, help="tokens in the val shard (default 10M; local files: 5%% "
-                   "of the corpus, at most 10M; demo 50k)")  # fmt: skip
+    p.add_argument("--val-tokens", type=SHARD_TOKENS, help="tokens in the val shard, in whole documents none longer "
+                   "than this (default 10M; local files: 5%% of the corpus, at most 10M; demo 50k)")  # fmt: skip
     p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help="tokenizing processes (all cores)")
     p.add_argument("--shuffle-seed", type=nonneg_int, help="local files: shuffle their documents with this seed before "
                    "the val/train split, so val is not just the first files (held in memory)")  # fmt: skip

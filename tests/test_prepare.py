@@ -299,6 +299,7 @@ def test_resume_refuses_different_settings(tmp_path, tokenizer_path, capsys):
         (["one short document"], [], "holds one document, .* split it into several"),
         (["one document", "one document"], [], r"holds one document \(1 exact duplicates dropped\)"),
         (make_docs(), ["--val-tokens", "10000000"], "too small"),
+        ([" ".join(WORDS * 60), "short"], SIZES, r"the first document \(2,6\d\d tokens\) .* fills a train shard by"),
     ],
 )
 def test_unusable_corpus_fails_and_leaves_nothing(tmp_path, tokenizer_path, capsys, docs, sizes, message):
@@ -310,14 +311,33 @@ def test_unusable_corpus_fails_and_leaves_nothing(tmp_path, tokenizer_path, caps
     assert not (tmp_path / "new").exists()  # no directory it made, parents included
 
 
-def test_a_corpus_too_small_for_the_val_split_suggests_a_val_split_that_works(tmp_path, tokenizer_path, capsys):
-    """Val and train take whole documents: the suggested --val-tokens ends the val shard before the last document."""
-    corpus = write_jsonl(tmp_path / "c.jsonl", ["a short first document", " ".join(WORDS * 60)])
-    argv = ["--source", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)]
-    assert main([*argv, "--val-tokens", "1000", "--workers", "1"]) == 2
-    suggested = re.search(r"lower --val-tokens, e\.g\. --val-tokens (\d+)\n", capsys.readouterr().err).group(1)
-    assert main([*argv, "--val-tokens", suggested, "--workers", "1"]) == 0
-    assert prepared_docs(tmp_path / "out") == ["a short first document", " ".join(WORDS * 60)]
+def test_a_document_longer_than_the_val_split_goes_to_train_and_a_resume_agrees(tmp_path, tokenizer_path, capsys):
+    """A huge document first in the stream cannot take the corpus into val: val takes no document longer than its
+    plan (a note says so) and stays below twice it; a resume knows which early documents went to train, so it counts
+    the later copies as the whole run does."""
+    big = " ".join(WORDS * 30)  # 1,320 tokens: longer than the val split (1,000), shorter than a train shard
+    docs = [d for d in make_docs() if d]
+    corpus = write_jsonl(tmp_path / "c.jsonl", [big, *docs, big, *docs[:3]])  # a copy of a train document, of val ones
+    common = ["--source", str(corpus), *SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    assert re.search(r"note: the val split \(1,000 tokens planned\) takes no document longer than itself: 1 went to "
+                     r"train, and val holds 1,\d{3} tokens\n", capsys.readouterr().out)  # fmt: skip
+    meta = read_meta(tmp_path / "whole")
+    assert meta["val"]["tokens"] < 2000 and meta["progress"]["val_passed_over"] == [0]
+    in_val = meta["val"]["docs"]
+    assert prepared_docs(tmp_path / "whole") == [*docs[:in_val], big, *docs[in_val:]]
+    assert (meta["train"]["duplicates_of_val"], meta["train"]["duplicates"]) == (3, 4)
+    assert main([*common, "--out", str(tmp_path / "resumed"), "--shards", "2"]) == 0
+    assert main([*common, "--out", str(tmp_path / "resumed")]) == 0
+    assert shard_bytes(tmp_path / "resumed") == shard_bytes(tmp_path / "whole")
+
+
+def test_where_no_document_is_as_short_as_the_val_split_val_holds_the_first(tmp_path, tokenizer_path, capsys):
+    books = [" ".join(WORDS * n) for n in (30, 40, 50)]
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", books)), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--val-tokens", "100", "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 0
+    assert "note: no document came shorter than the val split (100 tokens planned)" in capsys.readouterr().out
+    assert prepared_docs(tmp_path / "out") == books and read_meta(tmp_path / "out")["val"]["docs"] == 1
 
 
 def test_non_utf8_text_names_file_and_offset(tmp_path, tokenizer_path, capsys):
