@@ -350,6 +350,72 @@ def test_non_utf8_text_names_file_and_offset(tmp_path, tokenizer_path, capsys):
     assert str(bad) in err and "byte offset 15" in err and "re-encode it to UTF-8" in err
 
 
+LINE = '{"text": "a line of text"}\n'  # a document in a .txt file and in a .jsonl one
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (LINE.encode("utf-16"), "is UTF-16 text, not UTF-8; re-encode it to UTF-8, e.g. `iconv -f utf-16 -t utf-8 u"),
+        (LINE.encode("utf-16-le"), "is UTF-16 text, not UTF-8; re-encode it to UTF-8, e.g. `iconv -f utf-16le -t "),
+        (bytes(64), "holds NUL bytes (the first at byte offset 0): binary data, not text; leave it out of --source\n"),
+        (LINE.encode() + b"\0\1\2", f"holds NUL bytes (the first at byte offset {len(LINE)}): binary data"),
+    ],
+    ids=["utf-16", "utf-16le-without-a-mark", "nul-bytes", "text-then-binary"],
+)
+def test_utf16_and_nul_bytes_are_refused_with_the_fix(tmp_path, tokenizer_path, capsys, content, message):
+    """Before, UTF-16 was advised `iconv -f latin1` (with a byte order mark) or read as text with NULs in it, and NUL
+    bytes made a document."""
+    (tmp_path / "a.txt").write_text("fine text " * 50)
+    for name in ("u.txt", "u.jsonl"):
+        (tmp_path / name).write_bytes(content)
+        argv = ["--source", str(tmp_path / "a.txt"), str(tmp_path / name), "--out", str(tmp_path / "out"), *SIZES]
+        assert main([*argv, "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 2
+        assert f"error: {tmp_path / name} {message}" in capsys.readouterr().err
+
+
+def test_a_utf8_byte_order_mark_is_no_part_of_the_text(tmp_path, tokenizer_path):
+    docs = [d for d in make_docs(30) if d]
+    for i, doc in enumerate(docs):
+        (tmp_path / f"d{i:02d}.txt").write_text(doc, encoding="utf-8-sig" if i % 2 else "utf-8")
+    (tmp_path / "d99.txt").write_text(docs[0], encoding="utf-8-sig")  # a copy, but for its mark
+    write_jsonl(tmp_path / "e.jsonl", docs[:2])
+    (tmp_path / "e.jsonl").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "e.jsonl").read_bytes())
+    argv = ["--source", str(tmp_path / "*.txt"), str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--val-tokens", "200", "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 0
+    assert prepared_docs(tmp_path / "out") == docs
+    assert read_meta(tmp_path / "out")["train"]["duplicates"] == 3
+
+
+def test_globs_span_folders_and_links_to_nothing_are_named(tmp_path, tokenizer_path, capsys):
+    books = [*write_books(tmp_path / "books"), "a book on top", "a book in a box"]
+    (tmp_path / "books" / "top.txt").write_text(books[-2])
+    (tmp_path / "books" / "shelf0" / "box").mkdir()
+    (tmp_path / "books" / "shelf0" / "box" / "deep.txt").write_text(books[-1])
+    (tmp_path / "books" / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    (tmp_path / "books" / "shelf0" / "loop.txt").symlink_to(tmp_path / "books" / "shelf0" / "loop.txt")
+    common = ["--val-tokens", "500", "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    for name, source in [("glob", "books/**/*.txt"), ("folder", "books")]:
+        assert main(["--source", str(tmp_path / source), "--out", str(tmp_path / name), *common]) == 0
+        assert sorted(prepared_docs(tmp_path / name)) == sorted(books)
+        where = f"--source '{tmp_path / source}'" if name == "glob" else str(tmp_path / source)
+        note = f"note: {where}: left out 2 links that lead to no file (gone.txt, loop.txt)\n"
+        assert note in capsys.readouterr().out
+
+
+def test_a_folder_without_a_file_prepare_reads_is_refused_naming_the_suffixes_and_its_files(tmp_path, capsys):
+    (tmp_path / "licences").mkdir()
+    for name in ("LICENSE", "COPYING", "NOTICE.md"):
+        (tmp_path / "licences" / name).write_text("Permission is hereby granted, free of charge, ...")
+    argv = ["--source", str(tmp_path / "licences"), "--out", str(tmp_path / "out"), "--train-tokenizer"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'licences'} holds no .txt, .jsonl, .parquet file, the suffixes prepare reads, but 3 files "
+        "of other names (COPYING, LICENSE, NOTICE.md); rename plain-text files to end in .txt (one document each), "
+        "or pass another folder\n"
+    )
+
+
 def test_bad_sources_are_named(tmp_path, tokenizer_path, capsys):
     (tmp_path / "c.csv").write_text("text\nhello\n")
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
