@@ -35,6 +35,7 @@ as a line every minute otherwise (nohup, batch jobs), where no library draws a b
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import os
 import shutil
@@ -367,8 +368,12 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not sys.stderr.isatty():  # a bar redrawn into a log is one endless line: the hub's and datasets' bars are off
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when the library is imported,
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        if "huggingface_hub" in sys.modules:  # so one imported already (by a caller of main) is told directly
+            importlib.import_module("huggingface_hub.utils").disable_progress_bars()
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].disable_progress_bars()
     on_kill = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops as cleanly as Ctrl-C: the workers go too
     try:
         prepare(args)

@@ -543,14 +543,18 @@ def test_progress_lines_when_not_on_a_terminal(tmp_path, tokenizer_path, capsys,
     assert all(re.fullmatch(pattern, line) for line in lines), lines
 
 
-def test_no_progress_bar_is_drawn_off_a_terminal(tmp_path, tokenizer_path):
+@pytest.mark.parametrize("imported", ["after", "before"])
+def test_no_progress_bar_is_drawn_off_a_terminal(tmp_path, tokenizer_path, imported):
     """Neither prepare's bar nor those of the hub's downloads and of datasets' streaming, whose redraws would pile up
-    in a log as one endless line: stderr here is a pipe."""
+    in a log as one endless line: stderr here is a pipe. Also where a caller of main imported those libraries first,
+    before the settings main gives them through the environment could take effect."""
     argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", make_docs())), "--out", str(tmp_path / "out")]
     argv += [*SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    libraries = "import datasets, huggingface_hub.utils as hub"
     code = (
-        f"from scripts.prepare_fineweb import main; assert main({argv!r}) == 0; import datasets, huggingface_hub.utils "
-        "as hub; print(hub.are_progress_bars_disabled(), datasets.is_progress_bar_enabled())"
+        f"{libraries if imported == 'before' else ''}\nfrom scripts.prepare_fineweb import main\n"
+        f"assert main({argv!r}) == 0\n{libraries}\n"
+        "print(hub.are_progress_bars_disabled(), datasets.is_progress_bar_enabled())"
     )
     env = {key: value for key, value in os.environ.items() if "PROGRESS_BARS" not in key}
     root = Path(__file__).resolve().parents[1]
