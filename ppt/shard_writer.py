@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import multiprocessing
 import os
+import re
 import signal
 import sys
 from collections import deque
@@ -26,6 +27,8 @@ from ppt.shards import META_FORMAT, read_shard, shard_path, token_dtype, write_m
 from ppt.tokenizer import Tokenizer
 
 VAL_SHARE = 0.05  # of a local corpus, for the default val split
+PIECE_CHARS = 100_000  # characters the tokenizer takes at a time: it needs about 140 bytes of memory per character
+_PIECE_END = re.compile(r".*\S (?=\S)", re.DOTALL)  # up to the last space between two non-space characters
 # What meta.json counts per split, beside shards and tokens: documents written; documents read from the source (empty
 # and duplicate ones too: a resume skips that many); documents dropped as exact copies of an earlier one; and of
 # those, the copies of a val document (in train: what would have leaked val into training)
@@ -40,14 +43,35 @@ def digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
+def document_pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of at most PIECE_CHARS characters, each cut before the last space between two non-space
+    characters: a boundary of every pre-token in byte-level BPEs like cosmo2, so the pieces' tokens are the whole
+    text's. Where PIECE_CHARS characters hold no such space (text without spaces, as Chinese), the cut falls at
+    PIECE_CHARS, which can change the tokens next to it."""
+    start = 0
+    while len(text) - start > PIECE_CHARS:
+        space = _PIECE_END.match(text, start, start + PIECE_CHARS + 1)
+        end = space.end() - 1 if space else start + PIECE_CHARS
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> Encoded:
-    """Each document's token count (it ends with EOT; an empty one has 0), all tokens concatenated, its digest."""
-    keep = [i for i, text in enumerate(texts) if text.strip()]
-    encoded = tokenizer.encode_batch([texts[i] for i in keep])
-    lengths = np.zeros(len(texts), dtype=np.int64)
-    lengths[keep] = [len(ids) for ids in encoded]
-    tokens = np.fromiter(itertools.chain.from_iterable(encoded), token_dtype(tokenizer.vocab_size), int(lengths.sum()))
-    return lengths, tokens, [digest(text) for text in texts]
+    """Each document's token count (it ends with EOT; an empty one has 0), all tokens concatenated, its digest.
+
+    The tokenizer takes about PIECE_CHARS characters a call, a longer document in pieces (`document_pieces`), so
+    its memory stays bounded whatever the documents' lengths."""
+    pieces = [(i, piece) for i, text in enumerate(texts) if text.strip() for piece in document_pieces(text)]
+    last = [i != j for (i, _), (j, _) in zip(pieces, [*pieces[1:], (-1, "")])]  # the last piece of its document
+    calls = np.cumsum([len(piece) for _, piece in pieces]) // PIECE_CHARS  # runs of pieces, one call each
+    dtype, lengths, parts = token_dtype(tokenizer.vocab_size), np.zeros(len(texts), dtype=np.int64), []
+    for _, call in itertools.groupby(range(len(pieces)), key=lambda k: calls[k]):
+        call = list(call)
+        for k, ids in zip(call, tokenizer.encode_batch([pieces[k][1] for k in call])):
+            parts.append(np.array(ids if last[k] else ids[:-1], dtype))  # one EOT, after the last piece
+            lengths[pieces[k][0]] += parts[-1].size
+    return lengths, np.concatenate([np.zeros(0, dtype), *parts]), [digest(text) for text in texts]
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -139,8 +163,10 @@ class ShardWriter:
     progress in meta.json after every finished shard.
 
     The val shard is held back until the first train shard is written, so a corpus too small for both leaves
-    nothing behind. Duplicates are found by digest (16 bytes a document kept), val ones first: the val documents are
-    the first of the stream, so a later copy of one is dropped from train.
+    nothing behind. Val takes the first documents of the stream but none longer than its plan, so it stays below
+    twice the plan: a longer one goes to train, and val holds the first of them only where no document is shorter.
+    Duplicates are found by digest (16 bytes a document kept), val ones first: the val documents come first, so a
+    later copy of one is dropped from train.
     """
 
     def __init__(self, out: Path, meta: dict, tokenizer: Tokenizer, target_shards: int | None) -> None:
@@ -151,6 +177,7 @@ class ShardWriter:
         self.seen: set[bytes] = set()  # digests of the documents kept
         self.val_seen: set[bytes] = set()  # ... of those in val
         self.last_length = 0  # tokens of the last document kept
+        self.passed_over: list[tuple[int, bytes]] = []  # stream index and digest of documents too long for val
         self.tokens_written = 0
 
     def buffer(self, size: str) -> ShardBuffer:
@@ -163,10 +190,12 @@ class ShardWriter:
 
     def remember(self, texts: Iterable[str]) -> None:
         """Resuming: take the digests of the documents the finished shards consumed, so their copies are dropped."""
+        passed_over = set(self.meta["progress"].get("val_passed_over", []))  # older directories record none
+        val_end = self.meta["val"]["docs_consumed"] + len(passed_over)
         for index, text in enumerate(texts):
             doc = digest(text)
             self.seen.add(doc)
-            if index < self.meta["val"]["docs_consumed"]:
+            if index < val_end and index not in passed_over:
                 self.val_seen.add(doc)
 
     def feed(self, lengths: np.ndarray, tokens: np.ndarray, digests: list[bytes]) -> None:
@@ -176,6 +205,9 @@ class ShardWriter:
             if self.done:
                 return
             buffer = self.val if self.val is not None and not self.val.full else self.train
+            if buffer is self.val and length > buffer.target_tokens:
+                self.passed_over.append((self.val.counts["docs_consumed"] + self.train.counts["docs_consumed"], doc))
+                buffer = self.train
             buffer.counts["docs_consumed"] += 1
             if not length:
                 continue
@@ -198,6 +230,7 @@ class ShardWriter:
         # The first shards: the tokenizer and meta.json go first, so a kill leaves a directory the next run resumes,
         # and a prepare that fails before its first shard leaves nothing
         if self.val is not None:
+            self.settle_val()
             with self.disk_errors(self.out / "tokenizer.json"):
                 self.tokenizer.save(self.out)
             self.write_meta()
@@ -208,6 +241,30 @@ class ShardWriter:
         self.meta["progress"]["train_shards"].append(dict(self.meta["train"]))  # where a rebuild of the next starts
         self.done = self.finished(self.meta, self.target_shards)
         self.write_meta()
+
+    def settle_val(self) -> None:
+        """Say so when documents too long for val went to train; where none came short enough (val holds no
+        document), val takes the first of them, unless that leaves the train shard without a document."""
+        val, train = self.val, self.train
+        if not val.counts["docs"]:  # every document so far went to train: val takes the first
+            first = train.parts.pop(0)
+            if not train.parts:
+                raise PPTError(
+                    f"the first document ({first.size:,} tokens) is longer than the val split (--val-tokens "
+                    f"{val.target_tokens}) and fills a train shard by itself; val and train take whole documents, so "
+                    f"split it into several, or pass --val-tokens {first.size}"
+                )
+            val.parts.append(first)
+            val.tokens, train.tokens = val.tokens + first.size, train.tokens - first.size
+            for key in ("docs", "docs_consumed"):
+                val.counts[key], train.counts[key] = val.counts[key] + 1, train.counts[key] - 1
+            self.val_seen.add(self.passed_over.pop(0)[1])
+            print(f"note: no document came shorter than the val split ({val.target_tokens:,} tokens planned), which "
+                  f"takes whole documents: val holds the first one, {val.tokens:,} tokens")  # fmt: skip
+        elif self.passed_over:
+            print(f"note: the val split ({val.target_tokens:,} tokens planned) takes no document longer than itself: "
+                  f"{len(self.passed_over):,} went to train, and val holds {val.tokens:,} tokens")  # fmt: skip
+        self.meta["progress"]["val_passed_over"] = [index for index, _ in self.passed_over]
 
     def _write(self, split: str, buffer: ShardBuffer) -> None:
         tok = self.tokenizer
@@ -244,8 +301,10 @@ class ShardWriter:
 
     def finish(self) -> None:
         """The source ran out: write what is left, or say why there is nothing to write and what would work."""
-        if self.val is not None and (not self.val.full or not self.train.counts["docs"]):
-            self.too_small()
+        if self.val is not None and (
+            not self.train.counts["docs"] or self.val.counts["docs"] + self.train.counts["docs"] < 2
+        ):
+            self.too_small()  # val needs a document, and train another
         if self.train.counts["docs"]:
             self.flush()
         else:  # only empty or duplicate documents since the last shard: counted, no shard
@@ -305,8 +364,9 @@ def new_meta(
         "val": _zero_counts(),
         "train": _zero_counts(),
         # exhausted: the source ran out; complete: the last prepare finished; train_shards: the train counts after
-        # each train shard, where a rebuild of the next one starts
-        "progress": {"exhausted": False, "complete": False, "train_shards": []},
+        # each train shard, where a rebuild of the next one starts; val_passed_over: the stream index of each document
+        # longer than the val split that went to train while val filled
+        "progress": {"exhausted": False, "complete": False, "train_shards": [], "val_passed_over": []},
     }
 
 

@@ -107,9 +107,11 @@ def write_shard(
 
 
 def read_shard(
-    path: str | Path, expected_fingerprint: str | None = None, expected_name: str | None = None
+    path: str | Path, expected_fingerprint: str | None = None, expected_name: str | None = None, check_ids: bool = True
 ) -> tuple[ShardInfo, np.memmap]:
-    """Validate a shard's header and size and memory-map its tokens.
+    """Validate a shard's header and size and memory-map its tokens; with `check_ids`, also that its largest token
+    id is the one the header records (one pass over the tokens: per 100M uint16 ones about 10 ms cached, 80 ms from
+    disk), so damage that puts an id outside the vocabulary shows when the shard is opened, not when its row is read.
 
     With `expected_fingerprint`, a shard made by another tokenizer raises PPTError naming both tokenizers.
     """
@@ -145,7 +147,14 @@ def read_shard(
             f"{_describe_tokenizer(expected_name or '', expected_fingerprint)}; "
             "use the tokenizer the shards were made with, or re-run prepare with this tokenizer into another --out"
         )
-    return info, np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
+    tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
+    largest = int(tokens.max()) if check_ids and num_tokens else max_id
+    if largest != max_id or max_id >= vocab_size:
+        raise PPTError(
+            f"{path} is damaged: it holds token ids up to {largest}, its header records {max_id} (vocabulary "
+            f"{vocab_size}); {REBUILD_HINT}"
+        )
+    return info, tokens
 
 
 # ---- the data directory ------------------------------------------------------------------------------------------
@@ -185,6 +194,8 @@ def list_shards(data_dir: str | Path, split: str) -> list[Path]:
 def read_meta(data_dir: str | Path) -> dict[str, Any]:
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
+        if user := directory_user(Path(data_dir)):  # a prepare writes meta.json with its first shards
+            raise PPTError(f"{data_dir} is being written by a prepare ({user}); wait for it to finish")
         raise PPTError(f"{path} is missing; {PREPARE_HINT}")
     try:
         meta = json.loads(path.read_text())
@@ -234,7 +245,7 @@ def dataset_fingerprint(data_dir: str | Path) -> str:
     lines = []
     for split in SPLITS:
         for path in list_shards(data_dir, split):
-            info, _ = read_shard(path)
+            info, _ = read_shard(path, check_ids=False)  # the header's hash is what counts here
             lines.append(f"{split} {info.tokenizer_fingerprint} {info.tokens_sha256}\n")
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 

@@ -5,6 +5,7 @@ anything is tokenized. Every source yields the documents as strings, in a fixed 
 
 from __future__ import annotations
 
+import codecs
 import functools
 import glob
 import importlib
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppt.common import PPTError, format_sizes
+from ppt.shard_writer import encode_documents
 from ppt.tokenizer import Tokenizer, hub_offline
 
 FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceTB/smollm-corpus", "fineweb-edu-dedup"
@@ -34,33 +36,55 @@ SHUFFLE_MAX_BYTES = 4_000_000_000  # --shuffle-seed holds the corpus in memory
 
 
 def resolve_local_files(patterns: list[str]) -> list[Path]:
-    """Expand paths, folders and globs in argument order (each glob and folder sorted); every pattern must give a
-    supported file. A folder gives every .txt/.jsonl/.parquet file under it (hidden ones aside)."""
+    """Expand paths, folders and globs (`**` spans folders) in argument order, each glob and folder sorted; every
+    pattern must give a supported file. A folder gives every .txt/.jsonl/.parquet file under it (hidden ones aside).
+    Links that lead to no file (dangling or looping) are left out with a note."""
     files = []
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(expanded)) if glob.has_magic(pattern) else [expanded]
-        if not matches or not Path(matches[0]).exists():
+        if glob.has_magic(pattern):
+            matches = _existing([Path(m) for m in sorted(glob.glob(expanded, recursive=True))], f"--source {pattern!r}")
+        else:
+            matches = [Path(expanded)] if os.path.exists(expanded) else []
+        if not matches:
             raise PPTError(f"--source {pattern!r} matches no file; pass fineweb, demo, or existing local files")
-        for path in (Path(match).resolve() for match in matches):
-            found = _folder_files(path) if path.is_dir() else [path]
-            if not found:
-                raise PPTError(f"{path} holds no {', '.join(LOCAL_SUFFIXES)} files; pass a folder with some")
+        for path in (match.resolve() for match in matches):
             if path.suffix not in LOCAL_SUFFIXES and not path.is_dir():
                 raise PPTError(f"{path}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)} files")
-            files += found
+            files += _folder_files(path) if path.is_dir() else [path]
     return files
 
 
+def _existing(paths: list[Path], where: str) -> list[Path]:
+    """The paths that lead to something; a note names the links that lead nowhere (dangling or looping)."""
+    broken = [path for path in paths if not path.exists()]
+    if broken:
+        print(f"note: {where}: left out {len(broken)} links that lead to no file ({_some_names(broken)})")
+    return [path for path in paths if path.exists()]
+
+
+def _some_names(paths: list[Path], shown: int = 5) -> str:
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(path.name for path in paths[:shown]) + more
+
+
 def _folder_files(folder: Path) -> list[Path]:
-    """The supported files under a folder, sorted by path; says which other files it leaves out."""
-    files = [path for path in sorted(folder.rglob("*")) if path.is_file()]
-    visible = [p for p in files if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
-    others = [p for p in visible if p.suffix not in LOCAL_SUFFIXES]
+    """The supported files under a folder, sorted by path; says which other files it leaves out, and refuses a
+    folder with none, naming what it holds."""
+    entries = [path for path in sorted(folder.rglob("*")) if not path.is_dir()]
+    visible = [p for p in entries if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+    files = _existing(visible, str(folder))
+    others = [p for p in files if p.suffix not in LOCAL_SUFFIXES]
+    if len(others) == len(files):
+        found = f"{len(others)} files of other names ({_some_names(others)})" if others else "no file"
+        raise PPTError(
+            f"{folder} holds no {', '.join(LOCAL_SUFFIXES)} file, the suffixes prepare reads, but {found}; rename "
+            "plain-text files to end in .txt (one document each), or pass another folder"
+        )
     if others:
         kinds = ", ".join(sorted({p.suffix or "(no suffix)" for p in others}))
         print(f"note: {folder}: left out {len(others)} files that are not {', '.join(LOCAL_SUFFIXES)} ({kinds})")
-    return [p for p in visible if p.suffix in LOCAL_SUFFIXES]
+    return [p for p in files if p.suffix in LOCAL_SUFFIXES]
 
 
 # Modules never imported for the demo corpus: they act on import (open a browser, print, start a GUI, read config
@@ -182,28 +206,47 @@ def _source_comments(path: str | None, seen: set[str]) -> list[str]:
     return paragraphs
 
 
-def _utf8_error(path: Path, byte_offset: int) -> PPTError:
-    return PPTError(
-        f"{path} is not valid UTF-8 (byte offset {byte_offset}); re-encode it to UTF-8, "
-        f"e.g. `iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`"
-    )
+def _encoding_error(path: Path, byte_offset: int) -> PPTError:
+    """A text file that is not UTF-8, as one line with its fix: UTF-16 (a byte order mark, or ASCII's NUL every other
+    byte), other NUL bytes (binary data), or other bytes (latin1, most likely)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+        f.seek(byte_offset)
+        nul = f.read(1) == b"\0"
+    odd_nuls = head[1::2].count(0) - head[0::2].count(0)  # little-endian UTF-16 ASCII: "h\0i\0"
+    utf16 = "utf-16le" if odd_nuls > len(head) // 4 else "utf-16be" if -odd_nuls > len(head) // 4 else None
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        utf16 = "utf-16"  # iconv reads the byte order from the mark
+    fix = f"`iconv -f {utf16 or 'latin1'} -t utf-8 {path.name} > fixed{path.suffix}`"
+    if utf16:
+        return PPTError(f"{path} is UTF-16 text, not UTF-8; re-encode it to UTF-8, e.g. {fix}")
+    if nul:
+        return PPTError(f"{path} holds NUL bytes (the first at byte offset {byte_offset}): binary data, not text; "
+                        "leave it out of --source")  # fmt: skip
+    return PPTError(f"{path} is not valid UTF-8 (byte offset {byte_offset}); re-encode it to UTF-8, e.g. {fix}")
 
 
 def _txt_documents(path: Path) -> Iterator[str]:
+    data = path.read_bytes()
     try:
-        yield path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _utf8_error(path, exc.start) from exc
+        raise _encoding_error(path, exc.start) from exc
+    if "\0" in text:  # valid UTF-8, but not text: UTF-16, or binary data
+        raise _encoding_error(path, data.index(0))
+    yield text.removeprefix("\ufeff")  # a UTF-8 byte order mark is no part of the text
 
 
 def _jsonl_documents(path: Path) -> Iterator[str]:
     offset = 0
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, start=1):
+            if 0 in raw:
+                raise _encoding_error(path, offset + raw.index(0))
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8").removeprefix("\ufeff" if line_number == 1 else "")
             except UnicodeDecodeError as exc:
-                raise _utf8_error(path, offset + exc.start) from exc
+                raise _encoding_error(path, offset + exc.start) from exc
             offset += len(raw)
             if not line.strip():
                 continue
@@ -344,7 +387,7 @@ def bytes_per_token(tokenizer: Tokenizer, documents: Iterable[str]) -> float:
             break
     if not sample:
         raise PPTError("the corpus has no documents (or only empty ones); check --source")
-    return size / sum(len(ids) for ids in tokenizer.encode_batch(sample))
+    return size / encode_documents(tokenizer, sample)[0].sum()  # in pieces, as prepare tokenizes
 
 
 def local_document_source(files: list[Path], shuffle_seed: int | None) -> Callable[[], Iterator[str]]:

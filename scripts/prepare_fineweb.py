@@ -8,13 +8,18 @@
 
 Sources: `fineweb` streams HuggingFaceTB/smollm-corpus (config fineweb-edu-dedup); `demo` uses the documentation
 the Python running this script ships (see `demo_documents`: about 3 MB, 0.85M tokens at vocab 4096) and trains its
-own small BPE on it; anything else is local files, folders (every .txt/.jsonl/.parquet file under them) or globs:
-`.txt` is one document per file (UTF-8), `.jsonl` one per line (its `text` field), `.parquet` one per row (its `text`
-column). Empty documents are skipped, and so is a document identical to an earlier one (counted in the summary and
-meta.json). The val shard holds the first documents of the stream (after --shuffle-seed, if given) and the train
-shards the documents after them, so they never overlap; a shard closes at the first document boundary past its size.
+own small BPE on it; anything else is local files, folders (every .txt/.jsonl/.parquet file under them) or globs
+(`**` spans folders): `.txt` is one document per file (UTF-8, a byte order mark dropped), `.jsonl` one per line (its
+`text` field), `.parquet` one per row (its `text` column). A file in UTF-16 or holding NUL bytes is refused, and links
+that lead to no file are left out with a note. Empty documents are skipped, and so is a document identical to an
+earlier one (counted in the summary and meta.json). The val shard holds the first documents of the stream (after
+--shuffle-seed, if given) and the train shards the documents after them, so they never overlap; a shard closes at the
+first document boundary past its size. Val takes no document longer than its plan (--val-tokens): such a document goes
+to train, with a note, so val stays below twice the plan; only where none is shorter does val hold the first of them.
 For local files the val split defaults to 5% of the corpus (at most 10M tokens), sized before anything is tokenized
-from the corpus size and the tokenizer's bytes per token on its first megabyte.
+from the corpus size and the tokenizer's bytes per token on its first megabyte. A document is tokenized in pieces of
+at most 100k characters, cut before a space between two non-space characters (the same tokens as whole for byte-level
+BPEs like cosmo2), so memory stays bounded whatever its length.
 
 Tokenizers: cosmo2 from the hub by default; `--tokenizer path/to/tokenizer.json` for a local one; or
 `--train-tokenizer --vocab-size N` to train a byte-level BPE on the corpus itself (all of it, val included). meta.json
@@ -30,6 +35,7 @@ as a line every minute otherwise (nohup, batch jobs), where no library draws a b
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import os
 import shutil
@@ -50,6 +56,7 @@ from ppt.shard_writer import (
     ShardWriter,
     batched,
     check_resumable,
+    document_pieces,
     encode_in_order,
     new_meta,
     remove_leftovers,
@@ -112,8 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="data directory (default <cache>/data/fineweb-edu, .../demo or .../local)")
     p.add_argument("--shards", type=positive_int, help="train shards (default: 1 for fineweb, all the data otherwise)")
     p.add_argument("--shard-tokens", type=SHARD_TOKENS, help="tokens per train shard (default 100M; demo 100k)")
-    p.add_argument("--val-tokens", type=SHARD_TOKENS, help="tokens in the val shard (default 10M; local files: 5%% "
-                   "of the corpus, at most 10M; demo 50k)")  # fmt: skip
+    p.add_argument("--val-tokens", type=SHARD_TOKENS, help="tokens in the val shard, in whole documents none longer "
+                   "than this (default 10M; local files: 5%% of the corpus, at most 10M; demo 50k)")  # fmt: skip
     p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help="tokenizing processes (all cores)")
     p.add_argument("--shuffle-seed", type=nonneg_int, help="local files: shuffle their documents with this seed before "
                    "the val/train split, so val is not just the first files (held in memory)")  # fmt: skip
@@ -157,7 +164,7 @@ def choose_tokenizer(args: argparse.Namespace, job: Job) -> tuple[Tokenizer, dic
             for text in job.documents():
                 counted["docs"] += 1
                 counted["bytes"] += len(text.encode("utf-8"))
-                yield text
+                yield from document_pieces(text)  # the same merges as whole, in bounded memory
 
         print(f"training a byte-level BPE of vocab {vocab} on the corpus ...", flush=True)
         started = time.perf_counter()
@@ -361,8 +368,12 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not sys.stderr.isatty():  # a bar redrawn into a log is one endless line: the hub's and datasets' bars are off
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when the library is imported,
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        if "huggingface_hub" in sys.modules:  # so one imported already (by a caller of main) is told directly
+            importlib.import_module("huggingface_hub.utils").disable_progress_bars()
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].disable_progress_bars()
     on_kill = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops as cleanly as Ctrl-C: the workers go too
     try:
         prepare(args)

@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ppt import shards
+from ppt import locks, shard_writer, shards
 from ppt.common import PPTError
 from ppt.data import DataLoader
 from ppt.shards import load_data_tokenizer, read_meta, read_shard
 from ppt.sources import demo_documents
-from ppt.tokenizer import train_demo_tokenizer
+from ppt.tokenizer import Tokenizer, train_demo_tokenizer
 from scripts import prepare_fineweb
 from scripts.prepare_fineweb import main
 
@@ -196,7 +196,7 @@ def test_exact_duplicate_documents_are_dropped_and_counted_val_copies_first(tmp_
     )
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate", "delete val"])
+@pytest.mark.parametrize("damage", ["delete", "truncate", "delete val", "bad id"])
 def test_a_lost_shard_stops_training_and_the_rerun_of_prepare_rebuilds_it(tmp_path, tokenizer_path, capsys, damage):
     """meta.json records the shards: a missing one stops the loader with the fix, a missing or truncated one is
     rebuilt by the same prepare command (also asked for fewer --shards than were made), the same bytes as before."""
@@ -210,6 +210,13 @@ def test_a_lost_shard_stops_training_and_the_rerun_of_prepare_rebuilds_it(tmp_pa
         lost.write_bytes(lost.read_bytes()[:-10])
         with pytest.raises(PPTError, match=r"train_00001\.bin: truncated shard .*re-run the prepare command"):
             DataLoader(out, "train", 2, 16)
+    elif damage == "bad id":  # a flipped bit deep in the tokens: found when the shard is opened, not at its row
+        raw = bytearray(lost.read_bytes())
+        raw[-20:-18] = (60_000).to_bytes(2, "little")
+        lost.write_bytes(bytes(raw))
+        with pytest.raises(PPTError, match=r"train_00001\.bin is damaged: it holds token ids up to 60000, its header "
+                           r"records 29\d \(vocabulary 300\); re-run the prepare command"):  # fmt: skip
+            DataLoader(out, "train", 2, 16)
     else:
         lost.unlink()
         split = lost.name.split("_")[0]
@@ -219,8 +226,27 @@ def test_a_lost_shard_stops_training_and_the_rerun_of_prepare_rebuilds_it(tmp_pa
     capsys.readouterr()
     assert main([*argv, "--shards", "1"]) == 0
     printed = capsys.readouterr().out
-    assert f"{lost} is {'damaged' if damage == 'truncate' else 'missing'}: writing it" in printed
+    assert f"{lost} is {'missing' if damage.startswith('delete') else 'damaged'}: writing it" in printed
     assert "nothing to do" not in printed and shard_bytes(out) == before
+
+
+def test_long_documents_reach_the_tokenizer_in_pieces_with_the_tokens_they_have_whole(
+    tmp_path, tokenizer_path, monkeypatch
+):
+    """The tokenizer needs about 140 bytes of memory per character it takes at once (a 50 MB one-line document took
+    6.4 GB), so it takes about PIECE_CHARS characters a call; cut before a space between two non-space characters,
+    the pieces give the tokens of the whole document: with pieces of 64 characters, the same data fingerprint."""
+    docs = [*make_docs(), "two  spaces,\n\nlines\tand tabs 12 345 , then  ' quotes' " * 30]
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", docs)), *SIZES, "--tokenizer", str(tokenizer_path)]
+    assert main([*argv, "--out", str(tmp_path / "whole"), "--workers", "1"]) == 0
+    calls = []
+    encode_batch = Tokenizer.encode_batch
+    monkeypatch.setattr(shard_writer, "PIECE_CHARS", 64)
+    monkeypatch.setattr(Tokenizer, "encode_batch", lambda tok, texts: calls.append(texts) or encode_batch(tok, texts))
+    assert main([*argv, "--out", str(tmp_path / "pieces"), "--workers", "1"]) == 0
+    assert max(len(piece) for texts in calls for piece in texts) <= 64 and max(map(len, map("".join, calls))) < 128
+    assert sum(map(len, calls)) > 2 * len(docs)  # most documents were cut
+    assert shards.dataset_fingerprint(tmp_path / "pieces") == shards.dataset_fingerprint(tmp_path / "whole")
 
 
 def test_dataset_fingerprint_is_the_content_not_the_paths(tmp_path, tokenizer_path):
@@ -246,6 +272,18 @@ def test_dataset_fingerprint_is_the_content_not_the_paths(tmp_path, tokenizer_pa
     assert len(set(fingerprints.values())) == 3
 
 
+def test_a_reader_of_a_directory_a_prepare_is_still_starting_is_told_to_wait(tmp_path):
+    lock = locks.lock_directory(tmp_path / "data", "pass another --out")  # as prepare holds it, before meta.json
+    try:
+        with pytest.raises(PPTError, match=rf"^{tmp_path / 'data'} is being written by a prepare \(pid \d+ .*\); wait "
+                           "for it to finish$"):  # fmt: skip
+            load_data_tokenizer(tmp_path / "data")
+    finally:
+        lock.release()
+    with pytest.raises(PPTError, match="meta.json is missing; create it with"):
+        load_data_tokenizer(tmp_path / "data")
+
+
 def test_resume_refuses_different_settings(tmp_path, tokenizer_path, capsys):
     corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
     common = ["--source", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)]
@@ -261,6 +299,7 @@ def test_resume_refuses_different_settings(tmp_path, tokenizer_path, capsys):
         (["one short document"], [], "holds one document, .* split it into several"),
         (["one document", "one document"], [], r"holds one document \(1 exact duplicates dropped\)"),
         (make_docs(), ["--val-tokens", "10000000"], "too small"),
+        ([" ".join(WORDS * 60), "short"], SIZES, r"the first document \(2,6\d\d tokens\) .* fills a train shard by"),
     ],
 )
 def test_unusable_corpus_fails_and_leaves_nothing(tmp_path, tokenizer_path, capsys, docs, sizes, message):
@@ -272,14 +311,33 @@ def test_unusable_corpus_fails_and_leaves_nothing(tmp_path, tokenizer_path, caps
     assert not (tmp_path / "new").exists()  # no directory it made, parents included
 
 
-def test_a_corpus_too_small_for_the_val_split_suggests_a_val_split_that_works(tmp_path, tokenizer_path, capsys):
-    """Val and train take whole documents: the suggested --val-tokens ends the val shard before the last document."""
-    corpus = write_jsonl(tmp_path / "c.jsonl", ["a short first document", " ".join(WORDS * 60)])
-    argv = ["--source", str(corpus), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer_path)]
-    assert main([*argv, "--val-tokens", "1000", "--workers", "1"]) == 2
-    suggested = re.search(r"lower --val-tokens, e\.g\. --val-tokens (\d+)\n", capsys.readouterr().err).group(1)
-    assert main([*argv, "--val-tokens", suggested, "--workers", "1"]) == 0
-    assert prepared_docs(tmp_path / "out") == ["a short first document", " ".join(WORDS * 60)]
+def test_a_document_longer_than_the_val_split_goes_to_train_and_a_resume_agrees(tmp_path, tokenizer_path, capsys):
+    """A huge document first in the stream cannot take the corpus into val: val takes no document longer than its
+    plan (a note says so) and stays below twice it; a resume knows which early documents went to train, so it counts
+    the later copies as the whole run does."""
+    big = " ".join(WORDS * 30)  # 1,320 tokens: longer than the val split (1,000), shorter than a train shard
+    docs = [d for d in make_docs() if d]
+    corpus = write_jsonl(tmp_path / "c.jsonl", [big, *docs, big, *docs[:3]])  # a copy of a train document, of val ones
+    common = ["--source", str(corpus), *SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    assert re.search(r"note: the val split \(1,000 tokens planned\) takes no document longer than itself: 1 went to "
+                     r"train, and val holds 1,\d{3} tokens\n", capsys.readouterr().out)  # fmt: skip
+    meta = read_meta(tmp_path / "whole")
+    assert meta["val"]["tokens"] < 2000 and meta["progress"]["val_passed_over"] == [0]
+    in_val = meta["val"]["docs"]
+    assert prepared_docs(tmp_path / "whole") == [*docs[:in_val], big, *docs[in_val:]]
+    assert (meta["train"]["duplicates_of_val"], meta["train"]["duplicates"]) == (3, 4)
+    assert main([*common, "--out", str(tmp_path / "resumed"), "--shards", "2"]) == 0
+    assert main([*common, "--out", str(tmp_path / "resumed")]) == 0
+    assert shard_bytes(tmp_path / "resumed") == shard_bytes(tmp_path / "whole")
+
+
+def test_where_no_document_is_as_short_as_the_val_split_val_holds_the_first(tmp_path, tokenizer_path, capsys):
+    books = [" ".join(WORDS * n) for n in (30, 40, 50)]
+    argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", books)), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--val-tokens", "100", "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 0
+    assert "note: no document came shorter than the val split (100 tokens planned)" in capsys.readouterr().out
+    assert prepared_docs(tmp_path / "out") == books and read_meta(tmp_path / "out")["val"]["docs"] == 1
 
 
 def test_non_utf8_text_names_file_and_offset(tmp_path, tokenizer_path, capsys):
@@ -290,6 +348,72 @@ def test_non_utf8_text_names_file_and_offset(tmp_path, tokenizer_path, capsys):
     assert main([*argv, "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "byte offset 15" in err and "re-encode it to UTF-8" in err
+
+
+LINE = '{"text": "a line of text"}\n'  # a document in a .txt file and in a .jsonl one
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (LINE.encode("utf-16"), "is UTF-16 text, not UTF-8; re-encode it to UTF-8, e.g. `iconv -f utf-16 -t utf-8 u"),
+        (LINE.encode("utf-16-le"), "is UTF-16 text, not UTF-8; re-encode it to UTF-8, e.g. `iconv -f utf-16le -t "),
+        (bytes(64), "holds NUL bytes (the first at byte offset 0): binary data, not text; leave it out of --source\n"),
+        (LINE.encode() + b"\0\1\2", f"holds NUL bytes (the first at byte offset {len(LINE)}): binary data"),
+    ],
+    ids=["utf-16", "utf-16le-without-a-mark", "nul-bytes", "text-then-binary"],
+)
+def test_utf16_and_nul_bytes_are_refused_with_the_fix(tmp_path, tokenizer_path, capsys, content, message):
+    """Before, UTF-16 was advised `iconv -f latin1` (with a byte order mark) or read as text with NULs in it, and NUL
+    bytes made a document."""
+    (tmp_path / "a.txt").write_text("fine text " * 50)
+    for name in ("u.txt", "u.jsonl"):
+        (tmp_path / name).write_bytes(content)
+        argv = ["--source", str(tmp_path / "a.txt"), str(tmp_path / name), "--out", str(tmp_path / "out"), *SIZES]
+        assert main([*argv, "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 2
+        assert f"error: {tmp_path / name} {message}" in capsys.readouterr().err
+
+
+def test_a_utf8_byte_order_mark_is_no_part_of_the_text(tmp_path, tokenizer_path):
+    docs = [d for d in make_docs(30) if d]
+    for i, doc in enumerate(docs):
+        (tmp_path / f"d{i:02d}.txt").write_text(doc, encoding="utf-8-sig" if i % 2 else "utf-8")
+    (tmp_path / "d99.txt").write_text(docs[0], encoding="utf-8-sig")  # a copy, but for its mark
+    write_jsonl(tmp_path / "e.jsonl", docs[:2])
+    (tmp_path / "e.jsonl").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "e.jsonl").read_bytes())
+    argv = ["--source", str(tmp_path / "*.txt"), str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--val-tokens", "200", "--tokenizer", str(tokenizer_path), "--workers", "1"]) == 0
+    assert prepared_docs(tmp_path / "out") == docs
+    assert read_meta(tmp_path / "out")["train"]["duplicates"] == 3
+
+
+def test_globs_span_folders_and_links_to_nothing_are_named(tmp_path, tokenizer_path, capsys):
+    books = [*write_books(tmp_path / "books"), "a book on top", "a book in a box"]
+    (tmp_path / "books" / "top.txt").write_text(books[-2])
+    (tmp_path / "books" / "shelf0" / "box").mkdir()
+    (tmp_path / "books" / "shelf0" / "box" / "deep.txt").write_text(books[-1])
+    (tmp_path / "books" / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    (tmp_path / "books" / "shelf0" / "loop.txt").symlink_to(tmp_path / "books" / "shelf0" / "loop.txt")
+    common = ["--val-tokens", "500", "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    for name, source in [("glob", "books/**/*.txt"), ("folder", "books")]:
+        assert main(["--source", str(tmp_path / source), "--out", str(tmp_path / name), *common]) == 0
+        assert sorted(prepared_docs(tmp_path / name)) == sorted(books)
+        where = f"--source '{tmp_path / source}'" if name == "glob" else str(tmp_path / source)
+        note = f"note: {where}: left out 2 links that lead to no file (gone.txt, loop.txt)\n"
+        assert note in capsys.readouterr().out
+
+
+def test_a_folder_without_a_file_prepare_reads_is_refused_naming_the_suffixes_and_its_files(tmp_path, capsys):
+    (tmp_path / "licences").mkdir()
+    for name in ("LICENSE", "COPYING", "NOTICE.md"):
+        (tmp_path / "licences" / name).write_text("Permission is hereby granted, free of charge, ...")
+    argv = ["--source", str(tmp_path / "licences"), "--out", str(tmp_path / "out"), "--train-tokenizer"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'licences'} holds no .txt, .jsonl, .parquet file, the suffixes prepare reads, but 3 files "
+        "of other names (COPYING, LICENSE, NOTICE.md); rename plain-text files to end in .txt (one document each), "
+        "or pass another folder\n"
+    )
 
 
 def test_bad_sources_are_named(tmp_path, tokenizer_path, capsys):
@@ -419,14 +543,18 @@ def test_progress_lines_when_not_on_a_terminal(tmp_path, tokenizer_path, capsys,
     assert all(re.fullmatch(pattern, line) for line in lines), lines
 
 
-def test_no_progress_bar_is_drawn_off_a_terminal(tmp_path, tokenizer_path):
+@pytest.mark.parametrize("imported", ["after", "before"])
+def test_no_progress_bar_is_drawn_off_a_terminal(tmp_path, tokenizer_path, imported):
     """Neither prepare's bar nor those of the hub's downloads and of datasets' streaming, whose redraws would pile up
-    in a log as one endless line: stderr here is a pipe."""
+    in a log as one endless line: stderr here is a pipe. Also where a caller of main imported those libraries first,
+    before the settings main gives them through the environment could take effect."""
     argv = ["--source", str(write_jsonl(tmp_path / "c.jsonl", make_docs())), "--out", str(tmp_path / "out")]
     argv += [*SIZES, "--tokenizer", str(tokenizer_path), "--workers", "1"]
+    libraries = "import datasets, huggingface_hub.utils as hub"
     code = (
-        f"from scripts.prepare_fineweb import main; assert main({argv!r}) == 0; import datasets, huggingface_hub.utils "
-        "as hub; print(hub.are_progress_bars_disabled(), datasets.is_progress_bar_enabled())"
+        f"{libraries if imported == 'before' else ''}\nfrom scripts.prepare_fineweb import main\n"
+        f"assert main({argv!r}) == 0\n{libraries}\n"
+        "print(hub.are_progress_bars_disabled(), datasets.is_progress_bar_enabled())"
     )
     env = {key: value for key, value in os.environ.items() if "PROGRESS_BARS" not in key}
     root = Path(__file__).resolve().parents[1]

@@ -547,6 +547,19 @@ BAD_INPUT = [
     pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", "--train-tokenizer", "--vocab-size", "100"], {},
                  r"argument --vocab-size: '100' is not an integer >= 258 and <= 4294967295",
                  id="prepare-vocab-too-small"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/utf16.txt", *PREPARE], {},
+                 r"utf16\.txt is UTF-16 text, not UTF-8; re-encode it to UTF-8, e\.g\. `iconv -f utf-16 -t utf-8 "
+                 r"utf16\.txt > fixed\.txt`$", id="prepare-utf16"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/zeros.txt", *PREPARE], {},
+                 r"zeros\.txt holds NUL bytes \(the first at byte offset 0\): binary data, not text; leave it out of "
+                 r"--source$", id="prepare-nul-bytes"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/licences", *PREPARE], {},
+                 r"licences holds no \.txt, \.jsonl, \.parquet file, the suffixes prepare reads, but 2 files of other "
+                 r"names \(COPYING, LICENSE\); rename plain-text files to end in \.txt", id="prepare-no-file-it-reads"),
+    pytest.param("prepare_fineweb", ["--source", "{work}/story.txt", "{work}/tale.txt", *PREPARE, "--val-tokens", "10",
+                                     "--shard-tokens", "100"], {},
+                 r"the first document \([\d,]+ tokens\) is longer than the val split \(--val-tokens 10\) and fills a "
+                 r"train shard by itself; .* or pass --val-tokens \d+$", id="prepare-first-document-fills-a-shard"),
     # scripts.base_train
     pytest.param("base_train", [*TRAIN, "--config", "nope"], {},
                  r"unknown config 'nope'; valid names: .*tiny", id="train-unknown-config"),
@@ -620,6 +633,12 @@ BAD_INPUT = [
     pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/preparing"], {},
                  r"preparing is being written by a prepare \(pid \d+ .*\); train on it once that has finished$",
                  id="train-data-being-prepared"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/starting"], {},
+                 r"starting is being written by a prepare \(pid \d+ .*\); wait for it to finish$",
+                 id="train-data-prepare-starting"),
+    pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/damaged_ids"], {},
+                 r"damaged_ids/train_00000\.bin is damaged: it holds token ids up to 600, its header records \d+ "
+                 r"\(vocabulary 512\); re-run the prepare command that made it", id="train-shard-damaged-ids"),
     pytest.param("base_train", [*TRAIN, "--resume", "{work}/batch128"], {},
                  r"checkpoint .*batch128 is a directory; pass a step_\*\.pt file in it, or --resume auto$",
                  id="train-resume-a-directory"),
@@ -724,6 +743,12 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     (work / "a_file").write_text("not a directory")
     (work / "story.txt").write_text("Once upon a time there was a tokenizer. " * 20)
     (work / "corrupt.parquet").write_bytes(b"PAR1" + bytes(100))
+    (work / "tale.txt").write_text("A short tale.")
+    (work / "utf16.txt").write_bytes("Once upon a time".encode("utf-16"))
+    (work / "zeros.txt").write_bytes(bytes(100))
+    for name in ("COPYING", "LICENSE"):
+        (work / "licences" / name).parent.mkdir(exist_ok=True)
+        (work / "licences" / name).write_text("Permission is hereby granted, free of charge, ...")
 
     def first_shards(name: str, train_shards: int = 1) -> Path:
         """A data directory of the first shard of each split (and train_shards recorded in its meta.json)."""
@@ -734,7 +759,7 @@ def make_bad_inputs(work: Path, data: Path) -> None:
             (work / name / source.name).write_bytes(source.read_bytes())
         return work / name
 
-    for name in ("bad_magic", "truncated", "other_tokenizer", "big_ids", "old_shard", "old_meta"):
+    for name in ("bad_magic", "truncated", "other_tokenizer", "big_ids", "old_shard", "old_meta", "damaged_ids"):
         first_shards(name)
     (work / "old_meta" / "meta.json").write_text(json.dumps({**read_meta(data), "format": 1}))
     first_shards("missing_shard", train_shards=2)
@@ -744,6 +769,9 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     (work / "old_shard" / shard.name).write_bytes(bytes(old))
     (work / "bad_magic" / shard.name).write_bytes(b"NOTSHARD" + shard.read_bytes()[8:])
     (work / "truncated" / shard.name).write_bytes(shard.read_bytes()[:-10])
+    damaged = bytearray(shard.read_bytes())
+    damaged[-8:-6] = (600).to_bytes(2, "little")  # a token id past the header's largest, its hash not checked
+    (work / "damaged_ids" / shard.name).write_bytes(bytes(damaged))
     info, tokens = read_shard(shard)
     write_shard(work / "other_tokenizer" / shard.name, tokens, vocab_size=info.vocab_size, eot_id=info.eot_id,
                 fingerprint="cd" * 32, demo=False, tokenizer_name="other-bpe")  # fmt: skip
@@ -762,6 +790,8 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     (work / "cache" / "checkpoints" / "leftover").mkdir(parents=True)
     preparing = first_shards("preparing")  # a data directory a live prepare (this process) is still writing
     (preparing / locks.LOCK_NAME).write_text(json.dumps({**owner, "argv": ["prepare_fineweb"]}))
+    (work / "starting").mkdir()  # ... and one whose prepare has not written meta.json yet
+    (work / "starting" / locks.LOCK_NAME).write_text(json.dumps({**owner, "argv": ["prepare_fineweb"]}))
     write_manifest(work, "negative_lr", 1.0, args={"lr": -1.0})
     write_manifest(work, "args_list", 1.0, args=["x"])
 
