@@ -237,6 +237,8 @@ def hardware() -> dict[str, Any]:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    if packed := os.environ.get("PPT_RUNS_PER_GPU"):  # set by a study's local pool: runs sharing this device
+        info["runs_per_gpu"] = int(packed)
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
