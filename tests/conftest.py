@@ -129,3 +129,12 @@ def check_in_interpreter() -> Callable[[str, int], None]:
         assert not bad, f"relative errors above 1e-5: {bad}"
 
     return check
+
+
+@pytest.fixture(autouse=True)
+def restore_tf32() -> Iterator[None]:
+    """A test that trains in-process turns TF32 on (ppt.common.init_runtime, as a run does); the fp32 references of
+    the tests after it must not inherit it."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags

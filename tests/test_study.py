@@ -17,11 +17,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ppt import locks
 from ppt.common import PPTError
 from ppt.run import RunRecord
-from scripts import study
+from scripts import launchers, study
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_GRID = REPO / "docs" / "studies" / "cpu.toml"
@@ -316,3 +317,29 @@ def test_a_second_study_on_the_same_out_is_refused(demo_home, tmp_path, monkeypa
     (out / locks.LOCK_NAME).write_text(json.dumps(owner))  # a live study: this process
     with pytest.raises(PPTError, match=r"in use by another run: pid \d+.*pass another --out"):
         study.main([str(CPU_GRID), "--out", str(out)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_deterministic_run_is_bitwise_the_same_packed_or_alone_on_the_gpu(demo_home, tmp_path, monkeypatch):
+    """Runs sharing a GPU (--runs-per-gpu 2) train the bits they train alone: compiled, CUDA graphs, deterministic."""
+    monkeypatch.setenv("HOME", str(demo_home))
+    on_gpu = GRID.replace('"--device", "cpu", "--compile", "off"', '"--log-every", "1"')  # compiled, CUDA graphs
+    grid = study.load_grid(write_grid(tmp_path, on_gpu))
+    runs = [study.Run("vanilla", "d1", 1e10, 3e-3, 0), study.Run("multiscreen", "multiscreen-d6", 1e10, 1e-2, 0)]
+    losses = {}
+    for k in (1, 2):
+        s = study.Study(grid, tmp_path / f"k{k}", deterministic=True)
+        pool = launchers.LocalPool(launchers.chosen_gpus("0"), k)
+        for run in runs:  # alone: one after the other; packed: both at once
+            s.log(run).parent.mkdir(parents=True, exist_ok=True)
+            pool.start(run.name, s.argv(run), s.log(run), s.run_env)
+            while k == 1 and pool.capacity == 0:
+                assert all(code == 0 for _, code in pool.wait(study.WAIT_S))
+        while pool.capacity < pool.slots:
+            assert all(code == 0 for _, code in pool.wait(study.WAIT_S))
+        for run in runs:
+            record = RunRecord.load(s.run_dir(run) / f"cpu-{run.name}.json")
+            assert record.hardware["runs_per_gpu"] == k
+            losses.setdefault(run.name, []).append([h.get("loss") for h in record.history] + [record.final_val.val_bpb])
+    assert all(alone == packed for alone, packed in losses.values())
