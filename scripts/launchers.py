@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ppt.common import PPTError, atomic_file, run_cli
-from scripts.slurm_job import SlurmRun, run_env
+from scripts.slurm_job import REPO_ROOT, SlurmRun, run_env
 
 MAX_RUNS_PER_GPU = 16  # more small runs than this on one GPU only contend for its launch queue and memory
 SLURM_POLL_S = 15.0  # seconds between looks at squeue (a cluster's controller serves many users)
@@ -106,8 +106,8 @@ def _child(argv: list[str], log: str, env: dict[str, str], cwd: str) -> None:
     sys.stdout.reconfigure(line_buffering=True)
     from scripts import base_train
 
-    if threads := env.get("PPT_CPU_THREADS"):
-        base_train.torch.set_num_threads(int(threads))  # torch's thread pool starts on first use: not yet
+    if threads := env.get("OMP_NUM_THREADS"):  # torch, imported by the server, has not started its threads yet
+        base_train.torch.set_num_threads(int(threads))
     sys.argv = ["scripts/base_train.py", *argv]
     print(f"$ python -m scripts.base_train {shlex.join(argv)}", flush=True)
     run_cli(lambda: base_train.main(argv))
@@ -136,7 +136,7 @@ class LocalPool:
         gpu = self.free.pop(0)
         extra = {**env, "PPT_RUNS_PER_GPU": str(self.runs_per_gpu)}
         if gpu is None:  # one thread a run: a run's bits do not depend on how many train beside it
-            extra["PPT_CPU_THREADS"] = "1"
+            extra["OMP_NUM_THREADS"] = "1"
         else:
             extra["CUDA_VISIBLE_DEVICES"] = gpu
         process = self.context.Process(target=_child, args=(argv, str(log), run_env(extra), os.getcwd()), name=name)
@@ -221,6 +221,7 @@ class SlurmLauncher:
         self.executor.update_parameters(
             time=settings.time_min, partition=settings.partition, account=settings.account,
             cpus_per_task=settings.cpus_per_run, additional_parameters=extra, **gpus,
+            setup=[f"export PYTHONPATH={shlex.quote(str(REPO_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}"],  # for SlurmRun
         )  # fmt: skip
         self.running: dict[str, Job] = {}  # by job id
         self.device = "GPU" if settings.gpus_per_run else "CPU"
@@ -242,11 +243,13 @@ class SlurmLauncher:
 
     def start(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> Job:
         self.executor.update_parameters(job_name=name)
+        if not self.settings.gpus_per_run:  # a CPU job's threads: its CPUs (one: the bits of the local pool's runs)
+            env = {**env, "OMP_NUM_THREADS": str(self.settings.cpus_per_run or 1)}
         try:
             submitted = self.executor.submit(SlurmRun(argv, str(log), os.getcwd(), env))
         except Exception as exc:  # submitit raises its own errors and subprocess's, with sbatch's message inside
             lines = [line for line in str(exc).splitlines() if "error" in line.lower()] or str(exc).splitlines()
-            raise PPTError(f"sbatch refused run {name}: {lines[-1].strip() if lines else exc}; fix the Slurm "
+            raise PPTError(f"sbatch refused run {name}: {lines[0].strip() if lines else exc}; fix the Slurm "
                            "settings (--partition, --account, --sbatch)") from None  # fmt: skip
         job = Job(name, f"Slurm job {submitted.job_id}", handle=submitted.job_id)
         self.running[submitted.job_id] = job

@@ -75,7 +75,9 @@ OWNED_FLAGS = ("--config", "--depth", "--data-dir", "--data-seed", "--model-seed
                "--target-tokens", "--tag", "--out-dir", "--resume", "--from-manifest", "--deterministic")  # fmt: skip
 GRID_KEYS = ("name", "data_dir", "seeds", "budgets", "baseline", "sizes_per_budget", "tokens_per_param", "max_epochs",
              "args", "arch", "slurm")  # fmt: skip
-RUNS_PER_GPU = 1
+# Runs a GPU trains at once by default: the mixed study's runs are launch- and compile-bound, and 4 at once trained a
+# budget's runs 3.1x (6.3e13) and 2.5x (3.5e14) as fast as one at a time on an H100, bit for bit (docs/benchmarks.md)
+RUNS_PER_GPU = 4
 MAX_EXTENSIONS = 3  # rates added past either end of a sweep
 STATUS_EVERY = 180  # seconds between status lines off a terminal
 WAIT_S = 2.0  # how long the study waits for a run to end before it looks at signals and the deadline again
@@ -527,6 +529,9 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
     handlers = {sig: signal.signal(sig, lambda signum, frame: signals.append(signum)) for sig in STOP_SIGNALS}
     progress = Progress(study, launcher)
     print(f"training on {launcher.describe()}", flush=True)
+    if running:
+        print(f"following {len(running)} runs an earlier study left in flight: "
+              f"{', '.join(f'{r.name} ({j.where})' for r, j in running.items())}", flush=True)  # fmt: skip
     try:
         while True:
             out_of_time = deadline is not None and time.time() >= deadline
@@ -778,7 +783,8 @@ def make_launcher(args: argparse.Namespace, grid: Grid, out: Path) -> LocalPool 
         jobs = " ".join(in_flight.values())
         raise PPTError(f"{len(in_flight)} runs of {out} are Slurm jobs still queued or running ({jobs}); rerun with "
                        f"--launcher slurm to follow them, or cancel them first: scancel {jobs}")  # fmt: skip
-    return LocalPool(chosen_gpus(args.gpus), 1 if args.time else args.runs_per_gpu)
+    gpus = chosen_gpus(args.gpus)
+    return LocalPool(gpus, 1 if args.time else args.runs_per_gpu or (RUNS_PER_GPU if gpus else 1))
 
 
 SLURM_FLAGS = ("partition", "time_min", "gpus_per_run", "cpus_per_run", "account", "sbatch")
@@ -802,8 +808,8 @@ def main(argv: list[str] | None = None) -> int:
                    "or one Slurm job a run through submitit (uv sync --extra slurm)")  # fmt: skip
     g.add_argument("--gpus", default="all", help="local: 'all' (default; the CPU on a machine without a GPU) or ids "
                    "such as 0,1,3; each run trains on one through CUDA_VISIBLE_DEVICES")  # fmt: skip
-    g.add_argument("--runs-per-gpu", type=positive_int, default=RUNS_PER_GPU, help="local: runs at once on each GPU "
-                   f"(on the CPU without one); default {RUNS_PER_GPU}")  # fmt: skip
+    g.add_argument("--runs-per-gpu", type=positive_int, help=f"local: runs at once on each GPU (default "
+                   f"{RUNS_PER_GPU}), or on the CPU of a machine without one (default 1; a thread a run)")  # fmt: skip
     g.add_argument("--partition", help="slurm: the partition (default the grid's [slurm] partition, else Slurm's)")
     g.add_argument("--time-min", type=positive_int, help="slurm: each job's time limit in minutes (default 60)")
     g.add_argument("--gpus-per-run", type=nonneg_int, help="slurm: GPUs a job asks for (default 1; 0 for CPU runs)")

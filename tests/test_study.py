@@ -9,9 +9,12 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -171,12 +174,12 @@ def comparable(path: Path) -> dict:
     return clean(json.loads(path.read_text()))
 
 
-def assert_same_study(a: Path, b: Path) -> None:
+def assert_same_study(a: Path, b: Path, runs: int = CPU_RUNS) -> None:
     """The same runs, records equal but for times and hosts, and the same results.md but for its run-time line (both
     studies in runs/cpu of their working directories, as the README's command puts them)."""
-    runs = sorted(p.relative_to(a) for p in a.glob("runs/*/*.json"))
-    assert runs == sorted(p.relative_to(b) for p in b.glob("runs/*/*.json")) and len(runs) == CPU_RUNS
-    for run in runs:
+    names = sorted(p.relative_to(a) for p in a.glob("runs/*/*.json"))
+    assert names == sorted(p.relative_to(b) for p in b.glob("runs/*/*.json")) and len(names) == runs
+    for run in names:
         assert comparable(a / run) == comparable(b / run), run
 
     def results(out: Path) -> list[str]:
@@ -190,7 +193,7 @@ def test_the_readme_study_trains_every_size_and_seed_and_states_a_verdict(cpu_st
     record = json.loads((out / "study.json").read_text())
     params = record["params"]
     assert record["deterministic"] and params["d1"] < params["d2"] < params["d3"]
-    assert set(record["sizes"]) == {f"{a} {b}" for a in ("vanilla", "multiscreen") for b in ("1e+10", "3e+10")}
+    assert set(record["sizes"]) == {f"{a} {b}" for a in ("vanilla", "multiscreen") for b in ("5e+09", "1.5e+10")}
     assert all(len(sizes) >= 3 for sizes in record["sizes"].values()) and len(record["rates"]) >= 6
     runs = sorted(p.name for p in (out / "runs").iterdir())
     assert len(runs) == CPU_RUNS
@@ -200,7 +203,7 @@ def test_the_readme_study_trains_every_size_and_seed_and_states_a_verdict(cpu_st
         argv = json.loads(next((out / "runs" / name).glob("*.json")).read_text())["argv"]
         assert argv[argv.index("--seed") + 1] == name.split("-s")[-1][0]
         assert ("--deterministic" in argv) == ("nondet" not in name)
-    assert "## 1e+10 comparison FLOPs" in results and "## 3e+10 comparison FLOPs" in results
+    assert "## 5e+09 comparison FLOPs" in results and "## 1.5e+10 comparison FLOPs" in results
     for key, sizes in record["sizes"].items():  # each budget's table: a row a size with both seeds, its rate, epochs
         arch, budget = key.split()
         table = results.split(f"## {budget} comparison FLOPs")[1]
@@ -214,13 +217,25 @@ def test_the_readme_study_trains_every_size_and_seed_and_states_a_verdict(cpu_st
     assert list((out / "reports").glob("*.json")), "the runs register in the study's directory, not the user's cache"
 
 
-def test_two_runs_at_a_time_train_the_same_runs_bit_for_bit(cpu_study, demo_home, tmp_path, monkeypatch):
-    """Concurrency changes no decision: with 2 CPU slots the plan is recomputed whenever a run ends, and the study
-    trains the same runs, with records equal but for times and hosts, and writes the same results.md."""
+def test_two_runs_at_a_time_train_the_same_runs_bit_for_bit_and_a_run_that_dies_is_retried_then_reported(
+    cpu_study, demo_home, tmp_path, monkeypatch, capsys
+):
+    """Concurrency changes no decision: with 2 CPU slots the plan is recomputed whenever a run ends. A run killed
+    is retried once (resumed), a second death is reported with its last error line while the other runs go on, and
+    the rerun trains it: the same runs as one at a time, records equal but for times and hosts, the same results."""
     monkeypatch.setenv("HOME", str(demo_home))
     monkeypatch.chdir(tmp_path)
+    out, victim = tmp_path / "runs" / "cpu", "d3-f1.5e+10-lr0.003-s0"
+    killer = threading.Thread(target=kill_twice, args=(out, victim), daemon=True)
+    killer.start()
+    assert study.main([str(CPU_GRID), "--runs-per-gpu", "2"]) == 1
+    printed = capsys.readouterr().out
+    assert "end   d3 at 1.5e+10 FLOPs, seed 0, lr 0.003 on CPU: failed (killed)" in printed
+    assert "trying it once more, resumed" in printed and f"runs failed twice:\n- {victim}: failed (killed)" in printed
+    finished = {p.parent.name for p in out.glob("runs/*/*.json") if json.loads(p.read_text())["finished"]}
+    assert victim not in finished and len(finished) == CPU_RUNS - 1  # every other run of the study trained
     assert study.main([str(CPU_GRID), "--runs-per-gpu", "2"]) == 0
-    assert_same_study(cpu_study, tmp_path / "runs" / "cpu")
+    assert_same_study(cpu_study, out)
 
 
 def test_rerun_trains_nothing_and_a_changed_grid_is_refused(cpu_study, demo_home, tmp_path, monkeypatch, capsys):
@@ -267,7 +282,7 @@ def test_dry_run_prints_the_first_runs_and_trains_nothing(demo_home, tmp_path, m
     out = tmp_path / "out"
     assert study.main([str(CPU_GRID), "--out", str(out), "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert "d1-f1e+10-lr0.003-s0: python -m scripts.base_train" in printed and "--deterministic" in printed
+    assert "d1-f5e+09-lr0.003-s0: python -m scripts.base_train" in printed and "--deterministic" in printed
     planned_runs = printed.count(": python -m scripts.base_train")
     assert f"{planned_runs} runs called for now" in printed and f"{planned_runs} with no estimate" in printed
     assert not out.exists()
@@ -288,7 +303,7 @@ def test_a_bad_out_is_refused_with_one_message_before_any_run(demo_home, tmp_pat
         (lambda g: g.replace('baseline = "vanilla"', 'baseline = "gpt2"'), "not an \\[arch"),
         (lambda g: g.replace('"--seq-len", "64"', '"--lr", "1", "--seq-len", "64"'), "--lr"),
         (lambda g: g.replace('"d1", "d2", "d3", "d4"', '"d1", "d2"'), "at least 3 config names"),
-        (lambda g: g.replace("budgets = [1e10, 3e10]", "budgets = [-1]"), "positive"),
+        (lambda g: g.replace("budgets = [5e9, 1.5e10]", "budgets = [-1]"), "positive"),
         (lambda g: g.replace("seeds = [0, 1]", "seeds = [0.5]"), "whole numbers"),
         (lambda g: g.replace("seeds = [0, 1]", "seeds = [0, 0]"), "repeats a value"),
         (lambda g: "sizes_per_budget = 2\n" + g, "at least 3"),
@@ -326,7 +341,7 @@ def test_a_deterministic_run_is_bitwise_the_same_packed_or_alone_on_the_gpu(demo
     monkeypatch.setenv("HOME", str(demo_home))
     on_gpu = GRID.replace('"--device", "cpu", "--compile", "off"', '"--log-every", "1"')  # compiled, CUDA graphs
     grid = study.load_grid(write_grid(tmp_path, on_gpu))
-    runs = [study.Run("vanilla", "d1", 1e10, 3e-3, 0), study.Run("multiscreen", "multiscreen-d6", 1e10, 1e-2, 0)]
+    runs = [study.Run("vanilla", "d1", 5e9, 3e-3, 0), study.Run("multiscreen", "multiscreen-d6", 5e9, 1e-2, 0)]
     losses = {}
     for k in (1, 2):
         s = study.Study(grid, tmp_path / f"k{k}", deterministic=True)
@@ -343,3 +358,165 @@ def test_a_deterministic_run_is_bitwise_the_same_packed_or_alone_on_the_gpu(demo
             assert record.hardware["runs_per_gpu"] == k
             losses.setdefault(run.name, []).append([h.get("loss") for h in record.history] + [record.final_val.val_bpb])
     assert all(alone == packed for alone, packed in losses.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Faults: a run that dies, a study stopped by a signal or killed, and their reruns
+
+
+ONE_SEED = GRID.replace("seeds = [0, 1]", "seeds = [0]")  # the laptop study at one seed
+ONE_SEED_RUNS = 2 * 2 * 3 + 3
+
+
+def lock_pids(out: Path) -> dict[str, int]:
+    """The runs in flight under a study directory: run name -> the pid holding its lock."""
+    pids = {}
+    for lock in out.glob(f"runs/*/{locks.LOCK_NAME}"):
+        try:
+            pids[lock.parent.name] = json.loads(lock.read_text())["pid"]
+        except (OSError, ValueError):
+            pass  # released meanwhile
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return locks._proc_stat(pid) is not None and locks._proc_stat(pid)[0] != "Z"
+
+
+def wait_for(condition: object, timeout: float = 120.0) -> object:
+    deadline = time.time() + timeout
+    while not (value := condition()):
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+    return value
+
+
+def kill_twice(out: Path, victim: str) -> None:
+    """SIGKILL the process of run `victim` of the study in `out`, and again once it was started anew."""
+    killed = None
+    for _ in range(2):
+        killed = wait_for(lambda: (pid := lock_pids(out).get(victim)) != killed and pid)  # noqa: B023
+        os.kill(killed, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def one_seed_study(demo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """The laptop study at one seed, two runs at a time, stopped once by SIGTERM and once by kill -9 of its process
+    group, each time started again; the pids of the runs that were in flight when it stopped."""
+    work = tmp_path_factory.mktemp("one_seed")
+    grid, out = write_grid(work, ONE_SEED), work / "runs" / "cpu"
+    env = {**os.environ, "HOME": str(demo_home), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "scripts.study", str(grid), "--runs-per-gpu", "2"]
+    stopped = []
+    for how in ("SIGTERM", "kill -9", None):
+        study_process = subprocess.Popen(command, cwd=work, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        if how is None:
+            assert study_process.wait(timeout=600) == 0, study_process.stdout.read()[-3000:]
+            break
+        runs = wait_for(lambda: len(pids := lock_pids(out)) == 2 and pids)
+        if how == "SIGTERM":
+            study_process.send_signal(signal.SIGTERM)
+            assert study_process.wait(timeout=120) == 128 + signal.SIGINT
+            assert "stopped: " in study_process.stdout.read()
+        else:
+            os.killpg(study_process.pid, signal.SIGKILL)
+            study_process.wait()
+        stopped.append(runs)
+    return out, stopped
+
+
+def test_a_stopped_or_killed_study_leaves_no_run_behind_and_its_rerun_resumes(cpu_study, one_seed_study):
+    """SIGTERM: the study stops its runs (each saves a checkpoint) and exits; kill -9 of its process group: its runs
+    stop too (they die with the pool's server); the rerun resumes them and trains what an uninterrupted study does."""
+    out, stopped = one_seed_study
+    assert [len(runs) for runs in stopped] == [2, 2] and not any(alive(pid) for r in stopped for pid in r.values())
+    compared = 0
+    for record in out.glob("runs/*/*.json"):  # the bits of the two-seed study's run of that name
+        if (reference := cpu_study / record.relative_to(out)).is_file():
+            assert comparable(record) == comparable(reference), record.name
+            compared += 1
+    assert compared >= 10
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Slurm: a real one (.ci/slurm.sh starts a one-node Slurm on the CI machine)
+
+
+def slurm_up() -> bool:
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return False
+    nodes = subprocess.run(["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True)
+    return nodes.returncode == 0 and "idle" in nodes.stdout.split()
+
+
+needs_slurm = pytest.mark.skipif(not slurm_up(), reason="needs a Slurm with an idle node (.ci/slurm.sh starts one)")
+SLURM = ["--launcher", "slurm", "--partition", "debug", "--gpus-per-run", "0", "--cpus-per-run", "1"]
+
+
+@needs_slurm
+def test_the_cpu_study_through_slurm_adopts_its_jobs_resumes_a_requeued_one_and_matches_the_local_pool(
+    one_seed_study, demo_home, tmp_path, monkeypatch, capsys
+):
+    """One Slurm job a run, through submitit. A study killed (kill -9) while its jobs are queued and running is
+    started again and follows those jobs instead of submitting them twice; meanwhile the local launcher is refused;
+    a job requeued mid-run (as a preemption does) resumes from its checkpoint; the records and results.md equal the
+    local pool's."""
+    monkeypatch.setenv("HOME", str(demo_home))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launchers, "SLURM_POLL_S", 1.0)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    grid = write_grid(tmp_path, ONE_SEED)
+    first = subprocess.Popen([sys.executable, "-m", "scripts.study", str(grid), *SLURM], env=env,
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    jobs_file = tmp_path / "runs" / "cpu" / "slurm" / "jobs.json"
+    wait_for(lambda: jobs_file.is_file() and len(json.loads(jobs_file.read_text())) >= 4)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    in_flight = wait_for(lambda: launchers.jobs_in_flight(jobs_file.parent))
+    with pytest.raises(PPTError, match=r"Slurm jobs still queued or running .*rerun with --launcher slurm .*scancel"):
+        study.main([str(grid), "--launcher", "local"])
+    running = wait_for(lambda: subprocess.run(["squeue", "--noheader", "--states=RUNNING", "--format=%i"],
+                                              capture_output=True, text=True).stdout.split())  # fmt: skip
+    requeued = running[0]  # a preemption: Slurm stops the job (SIGTERM: the run saves) and queues it again
+    subprocess.run(["scontrol", "requeue", requeued], check=True)
+    subprocess.run(["scontrol", "update", f"JobId={requeued}", "StartTime=now"], check=True)  # no 2-minute hold
+    assert study.main([str(grid), *SLURM]) == 0
+    assert f"following {len(in_flight)} runs an earlier study left in flight" in capsys.readouterr().out
+    logs = {log.stem: log.read_text().count("$ python -m") for log in tmp_path.glob("runs/cpu/logs/*")}
+    requeued_run = next(name for name, job in in_flight.items() if job == requeued)
+    assert logs.pop(requeued_run) == 2 and set(logs.values()) == {1}  # none submitted twice
+    assert_same_study(one_seed_study[0], tmp_path / "runs" / "cpu", runs=ONE_SEED_RUNS)
+
+
+@needs_slurm
+def test_a_partition_slurm_does_not_know_is_refused_with_its_message(demo_home, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(demo_home))
+    flags = [*SLURM[:2], "--partition", "nosuch", *SLURM[4:]]
+    with pytest.raises(PPTError, match=r"sbatch refused run d1-f5e\+09-lr0\.003-s0: .*invalid partition.*--partition"):
+        study.main([str(CPU_GRID), "--out", str(tmp_path / "out"), *flags])
+
+
+def test_bad_launch_flags_are_refused_in_one_line(demo_home, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(demo_home))
+    run = [str(CPU_GRID), "--out", str(tmp_path / "out")]
+    with pytest.raises(PPTError, match=r"--gpus 0: GPU 0 is not one of the GPUs this machine shows \(none\)"):
+        study.main([*run, "--gpus", "0"]) if not torch.cuda.is_available() else pytest.skip("a GPU is visible")
+    with pytest.raises(PPTError, match=r"--gpus 'x' is not 'all' or a list of GPU ids"):
+        study.main([*run, "--gpus", "x"])
+    with pytest.raises(PPTError, match=r"--runs-per-gpu 17 is out of range; pass 1 to 16"):
+        study.main([*run, "--runs-per-gpu", "17"])
+    with pytest.raises(SystemExit):  # argparse: "--runs-per-gpu: '0' is not an integer >= 1"
+        study.main([*run, "--runs-per-gpu", "0"])
+    monkeypatch.setitem(sys.modules, "submitit", None)  # not installed
+    with pytest.raises(PPTError, match=r"--launcher slurm needs submitit: uv sync --extra slurm"):
+        study.main([*run, "--launcher", "slurm"])
+    monkeypatch.delitem(sys.modules, "submitit")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    with pytest.raises(PPTError, match=r"--launcher slurm needs Slurm's sbatch and squeue on PATH"):
+        study.main([*run, "--launcher", "slurm"])
+    assert not (tmp_path / "out").exists()
