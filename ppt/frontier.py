@@ -1,7 +1,7 @@
 """The architecture verdict: IsoFLOP frontiers and the compute multiplier between architectures, with paired
 jackknife intervals over seeds (Hoffmann et al. 2022, "Chinchilla", approach 2); and the paired t interval.
 
-The method, step by step (`verdict` does all of it):
+The method, step by step (`verdict` does steps 1-4, `robustness` steps 5 and 6):
 
 1. IsoFLOP optimum, per (architecture, budget). Each size's loss is averaged over seeds; the parabola
    loss = c0 + c1 u + c2 u^2 in u = ln(size) is fit to those means by least squares (3 sizes or more); the optimum
@@ -31,13 +31,30 @@ The method, step by step (`verdict` does all of it):
    finite) in a leave-one-out fit: none, flagged. Simulations against the alternatives are in docs/results.md ("How the
    verdict's intervals were checked"): at 3-5 seeds this interval held the true k 94-95% of the time, the percentile
    bootstrap's 72-83%.
+5. Robustness: other reasonable analyses of the same runs (`ANALYSES`, `robustness`), each with its own interval, and
+   a verdict "cheaper" or "dearer" only where every one's interval excludes 1 on that side, else "not clear". The
+   alternatives: (a) the best observed size (lowest seed-mean loss) and its runs' mean position instead of the
+   vertex; (b) each seed fitted alone, k the geometric mean of the seeds' k, the 95% t interval over their ln k;
+   (c) a frontier quadratic in ln x through an architecture's optima (3 budgets or more; else n/a); (d) every run at
+   its budget's nominal FLOPs instead of its realized comparison FLOPs. The primary analysis, steps 1-4, was fixed
+   before the study of docs/results.md began training, for these reasons: the vertex uses every size, where the best
+   observed size moves in steps of the grid's spacing (on tests/test_frontier.py's Chinchilla-law study, sizes e^0.5
+   apart, it reads k in tokens as 0.77 for a true 0.6); pooling the seeds before fitting keeps each parabola's noise
+   low (one seed's parabola through 3 noisy points can wander or open downward); a piecewise-linear frontier assumes
+   no form between budgets (step 2); realized FLOPs are what each run spent.
+6. Rerun floor: the same run trained again on another GPU or commit ends up to δ bpb away (`rerun_floor`). A study
+   whose architectures ran on different hardware or code may carry that between them, so each k interval can be
+   widened to the envelope of the intervals with every other architecture's losses shifted by -δ, 0 and +δ against
+   the baseline's (`widened_multipliers`). To first order a shift δ moves ln k by δ / |s|, s the slope of the other
+   architecture's frontier in ln x where k is read: on a frontier falling 0.1 bpb per e-fold of compute, δ = 0.003
+   widens k by a factor e^0.03 either side.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +62,26 @@ import numpy as np
 from ppt.common import PPTError
 
 UNITS = ("flops", "tokens", "seconds")
+UNIT_NAMES = {"flops": "FLOPs", "tokens": "tokens", "seconds": "GPU-seconds"}
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One way to read the verdict off the runs (step 5); the defaults are the primary analysis."""
+
+    best_observed: bool = False  # the size with the lowest seed-mean loss, not the vertex
+    quadratic_frontier: bool = False  # loss quadratic in ln x through the optima, not piecewise linear
+    nominal_flops: bool = False  # FLOPs as RunResult.budget, not the realized
+    seeds_alone: bool = False  # size*, loss* and k: means over each seed's own fit, with t intervals
+
+
+ANALYSES = {
+    "primary": Analysis(),
+    "best observed size": Analysis(best_observed=True),
+    "each seed alone": Analysis(seeds_alone=True),
+    "quadratic frontier": Analysis(quadratic_frontier=True),
+    "nominal FLOPs": Analysis(nominal_flops=True),
+}
 
 
 @dataclass(frozen=True)
@@ -101,32 +138,35 @@ class Verdict:
     multipliers: list[Multiplier] = field(default_factory=list)  # none in seconds unless every run has seconds
 
 
-def verdict(runs: Sequence[RunResult], baseline: str) -> Verdict:
-    """Steps 1-4 of the module docstring for every architecture against `baseline`."""
-    cells, seeds = _cells(runs)
+def verdict(runs: Sequence[RunResult], baseline: str, analysis: Analysis = Analysis()) -> Verdict:
+    """Steps 1-4 of the module docstring for every architecture against `baseline`, as `analysis` reads them."""
+    cells, seeds = _cells(runs, analysis.nominal_flops)
     archs = sorted({arch for arch, _ in cells})
     if baseline not in archs or len(archs) < 2:
         raise PPTError(f"the verdict needs the baseline {baseline!r} and another architecture; runs hold {archs}")
+    least, shape = (3, "quadratic") if analysis.quadratic_frontier else (2, "piecewise")
     for arch in archs:
-        if sum(a == arch for a, _ in cells) < 2:
-            raise PPTError(f"{arch} has runs at one budget; a frontier needs at least 2 budgets: add a budget")
-    n = len(seeds)
-    optima, multipliers = _estimate(cells, baseline, np.ones(n))
+        if (count := sum(a == arch for a, _ in cells)) < least:
+            raise PPTError(f"{arch} has runs at {count} budget(s); a {shape} frontier needs at least {least}: add a "
+                           "budget")  # fmt: skip
+    n, alone = len(seeds), analysis.seeds_alone
+    optima, multipliers = _estimate(cells, baseline, np.ones(n), analysis)
     if n == 1:
         return Verdict(baseline, seeds, optima, multipliers)
-    # seed i left out of every architecture's runs alike, so the pairing holds
-    left_out = [_estimate(cells, baseline, 1 - np.eye(n)[i]) for i in range(n)]
+    # seed i alone, or left out of every architecture's runs alike, so the pairing holds
+    replicates = [_estimate(cells, baseline, np.eye(n)[i] if alone else 1 - np.eye(n)[i], analysis) for i in range(n)]
     t = t_quantile(0.975, n - 1)
     for i, o in enumerate(optima):
-        ln_sizes = [math.log(d[0][i].size) for d in left_out]
-        o.size_interval = tuple(map(math.exp, _jackknife(math.log(o.size), ln_sizes, t)))
-        o.loss_interval = _jackknife(o.loss, [d[0][i].loss for d in left_out], t)
+        size, size_interval = _interval(math.log(o.size), [math.log(r[0][i].size) for r in replicates], t, alone)
+        o.size, o.size_interval = math.exp(size), tuple(map(math.exp, size_interval))
+        o.loss, o.loss_interval = _interval(o.loss, [r[0][i].loss for r in replicates], t, alone)
     for i, m in enumerate(multipliers):
-        ks = [d[1][i].k for d in left_out]
+        ks = [r[1][i].k for r in replicates]
         if all(k is not None and 0 < k < math.inf for k in [m.k, *ks]):
-            m.interval = tuple(map(math.exp, _jackknife(math.log(m.k), [math.log(k) for k in ks], t)))
+            ln_k, interval = _interval(math.log(m.k), [math.log(k) for k in ks], t, alone)
+            m.k, m.interval = math.exp(ln_k), tuple(map(math.exp, interval))
         elif m.k is not None:
-            m.flags.append("no interval: a fit with one seed left out has no crossing")
+            m.flags.append(f"no interval: a fit with one seed {'alone' if alone else 'left out'} has no crossing")
     return Verdict(baseline, seeds, optima, multipliers)
 
 
@@ -155,6 +195,75 @@ def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, 
     return mean, mean - float(half), mean + float(half)
 
 
+# ---- robustness (steps 5 and 6) ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Robustness:
+    """k of `arch` against the baseline at its `budget` in `unit` under each of ANALYSES (None: n/a), intervals
+    widened by the rerun `floor`, and the verdict: "cheaper" or "dearer" where every interval excludes 1 on that
+    side, else "not clear"."""
+
+    arch: str
+    budget: float
+    unit: str
+    by_analysis: dict[str, Multiplier | None]
+    floor: float
+    verdict: str
+
+    @property
+    def clear(self) -> bool:
+        return self.verdict != "not clear"
+
+
+def robustness(runs: Sequence[RunResult], baseline: str, unit: str = "flops", floor: float = 0.0) -> list[Robustness]:
+    """Step 5, and step 6 with a floor: every analysis of ANALYSES at each of the baseline's budgets in `unit`; the
+    quadratic frontier n/a where an architecture has fewer than 3 budgets."""
+    few_budgets = any(len({r.budget for r in runs if r.arch == arch}) < 3 for arch in {r.arch for r in runs})
+    found = {name: {} if analysis.quadratic_frontier and few_budgets else
+             {(m.arch, m.budget): m for m in widened_multipliers(runs, baseline, analysis, floor) if m.unit == unit}
+             for name, analysis in ANALYSES.items()}  # fmt: skip
+    if not found["primary"]:
+        raise PPTError(f"no multiplier in {unit!r}: the units are {UNITS}, seconds only where every run has them")
+    rows = []
+    for key in found["primary"]:
+        by_analysis = {name: by_key.get(key) for name, by_key in found.items()}
+        sides = {_side(m) for m in by_analysis.values() if m is not None}
+        rows.append(Robustness(*key, unit, by_analysis, floor, sides.pop() if len(sides) == 1 else "not clear"))
+    return rows
+
+
+def widened_multipliers(
+    runs: Sequence[RunResult], baseline: str, analysis: Analysis = Analysis(), floor: float = 0.0
+) -> list[Multiplier]:
+    """verdict(runs, baseline, analysis)'s multipliers, each interval widened by the rerun floor (step 6): to the
+    envelope of the intervals with every other architecture's losses shifted by -floor, 0 and +floor."""
+    result = verdict(runs, baseline, analysis).multipliers
+    for shift in (-floor, floor) if floor else ():
+        shifted = [run if run.arch == baseline else replace(run, loss=run.loss + shift) for run in runs]
+        for m, moved in zip(result, verdict(shifted, baseline, analysis).multipliers):
+            if m.interval and moved.interval:
+                m.interval = (min(m.interval[0], moved.interval[0]), max(m.interval[1], moved.interval[1]))
+            elif m.interval:
+                m.interval = None
+                m.flags.append(f"no interval: with losses shifted by {shift:+g} a fit has no crossing")
+    return result
+
+
+def rerun_floor(pairs: Sequence[tuple[float, float]]) -> float:
+    """The largest |original - rerun| final loss of runs trained again on other hardware or code (step 6): with a
+    handful of reruns, the largest seen rather than a typical one."""
+    if not pairs:
+        raise PPTError("the rerun floor needs (original, rerun) final losses: train a finished run again elsewhere")
+    return max(abs(original - rerun) for original, rerun in pairs)
+
+
+def _side(m: Multiplier) -> str:
+    if m.interval is None or m.interval[0] <= 1 <= m.interval[1]:
+        return "not clear"
+    return "cheaper" if m.interval[1] < 1 else "dearer"
+
+
 # ---- the estimate on one set of seed weights -----------------------------------------------------------------------
 
 
@@ -164,9 +273,9 @@ class _Cell:
     values: np.ndarray  # (seeds, sizes, 4): loss, ln flops, ln tokens, ln seconds (nan: not measured)
 
 
-def _cells(runs: Sequence[RunResult]) -> tuple[dict[tuple[str, float], _Cell], list[int]]:
+def _cells(runs: Sequence[RunResult], nominal: bool) -> tuple[dict[tuple[str, float], _Cell], list[int]]:
     """Runs grouped by (arch, budget), checked: finite positive numbers, one run per (size, seed), 3 sizes or more,
-    every size holding every seed (the paired design)."""
+    every size holding every seed (the paired design). `nominal`: FLOPs are the budget's, not the realized."""
     seeds, grouped = sorted({run.seed for run in runs}), {}
     for run in runs:
         numbers = (run.budget, run.size, run.loss, run.flops, run.tokens, 1.0 if run.seconds is None else run.seconds)
@@ -190,25 +299,33 @@ def _cells(runs: Sequence[RunResult]) -> tuple[dict[tuple[str, float], _Cell], l
                                "architectures, so every run needs every seed: run them or leave them out")  # fmt: skip
         sizes = sorted(by_size)
         rows = [[by_size[size][seed] for size in sizes] for seed in seeds]
-        values = [[[r.loss, math.log(r.flops), math.log(r.tokens), math.log(r.seconds or math.nan)] for r in row]
-                  for row in rows]  # fmt: skip
+        values = [[[r.loss, math.log(r.budget if nominal else r.flops), math.log(r.tokens),
+                    math.log(r.seconds or math.nan)] for r in row] for row in rows]  # fmt: skip
         cells[(arch, budget)] = _Cell(np.array(sizes, dtype=float), np.array(values))
     return dict(sorted(cells.items())), seeds
 
 
-def _optimum(arch: str, budget: float, cell: _Cell, weights: np.ndarray) -> Optimum:
+def _optimum(arch: str, budget: float, cell: _Cell, weights: np.ndarray, best: bool) -> Optimum:
     means = np.tensordot(weights, cell.values, axes=1) / weights.sum()  # (sizes, 4)
-    size, loss, flags = isoflop_minimum(cell.sizes, means[:, 0])
-    lines = np.polyfit(np.log(cell.sizes), means[:, 1:], 1)  # (slope and intercept, unit)
-    at = {u: None if np.isnan(x) else float(x) for u, x in zip(UNITS, np.exp(lines[0] * math.log(size) + lines[1]))}
+    if best:  # the best observed size, at its runs' mean position
+        i = int(np.argmin(means[:, 0]))
+        size, loss, flags = float(cell.sizes[i]), float(means[i, 0]), [] if 0 < i < len(means) - 1 else ["at an end"]
+        ln_at = means[i, 1:]
+    else:
+        size, loss, flags = isoflop_minimum(cell.sizes, means[:, 0])
+        lines = np.polyfit(np.log(cell.sizes), means[:, 1:], 1)  # (slope and intercept, unit)
+        ln_at = lines[0] * math.log(size) + lines[1]
+    at = {u: None if np.isnan(x) else float(math.exp(x)) for u, x in zip(UNITS, ln_at)}
     points = [(float(s), float(m[0]), {u: float(math.exp(x)) for u, x in zip(UNITS, m[1:])})
               for s, m in zip(cell.sizes, means)]  # fmt: skip
     return Optimum(arch, budget, size, loss, at, flags, points)
 
 
-def _estimate(cells: dict, baseline: str, weights: np.ndarray) -> tuple[list[Optimum], list[Multiplier]]:
+def _estimate(
+    cells: dict, baseline: str, weights: np.ndarray, analysis: Analysis
+) -> tuple[list[Optimum], list[Multiplier]]:
     """Steps 1-3 of the module docstring with seed i weighted by weights[i]."""
-    optima = [_optimum(arch, budget, cell, weights) for (arch, budget), cell in cells.items()]
+    optima = [_optimum(a, budget, cell, weights, analysis.best_observed) for (a, budget), cell in cells.items()]
     multipliers = []
     for arch in sorted({o.arch for o in optima} - {baseline}):
         pair = [o for o in optima if o.arch in (arch, baseline)]
@@ -216,34 +333,45 @@ def _estimate(cells: dict, baseline: str, weights: np.ndarray) -> tuple[list[Opt
             optima_b = sorted((o for o in pair if o.arch == arch), key=lambda o: o.at[unit])
             frontier = [(math.log(o.at[unit]), o.loss) for o in optima_b]
             for base in (o for o in pair if o.arch == baseline):
-                reached = _reach(frontier, base.loss)
+                reached = _reach(frontier, base.loss, analysis.quadratic_frontier)
                 k = None if reached is None else float(np.exp(reached[0])) / base.at[unit]  # np: inf, not raise
                 flags = [f"baseline {f}" for f in base.flags] + (["no crossing"] if reached is None else reached[1])
-                if reached is not None:  # the flags of the two optima of B whose segment it crossed
-                    flags += [f"through {o.budget:.3g}'s {f} optimum" for o in optima_b[reached[2] : reached[2] + 2]
-                              for f in o.flags]  # fmt: skip
+                if reached is not None:  # the flags of the optima of B it was read through
+                    flags += [f"through {optima_b[i].budget:.3g}'s {f} optimum" for i in reached[2]
+                              for f in optima_b[i].flags]  # fmt: skip
                 multipliers.append(Multiplier(arch, base.budget, unit, k, flags))
     return optima, multipliers
 
 
-def _reach(frontier: list[tuple[float, float]], loss: float) -> tuple[float, list[str], int] | None:
-    """(ln x, flags, the segment's first point) where the piecewise-linear frontier [(ln x, loss), ...] first reaches
-    `loss` (step 3)."""
+def _reach(frontier: list[tuple[float, float]], loss: float, quadratic: bool) -> tuple[float, list[str], range] | None:
+    """(ln x, flags, the indices of the points it was read through) where the frontier [(ln x, loss), ...] first
+    reaches `loss` (step 3): piecewise linear through the points, or the least-squares quadratic in ln x."""
+    if quadratic:  # the root on the falling side, where the slope is -sqrt(discriminant); stable as c2 -> 0
+        x, y = np.array(frontier).T
+        c2, c1, c0 = np.polyfit(x - x[0], y, 2)
+        discriminant = c1**2 - 4 * c2 * (c0 - loss)
+        if discriminant < 0 or math.sqrt(discriminant) - c1 <= 0:
+            return None
+        ln_x = x[0] + 2 * (c0 - loss) / (math.sqrt(discriminant) - c1)
+        return float(ln_x), [] if x[0] <= ln_x <= x[-1] else ["extrapolated"], range(len(frontier))
     segments = list(zip(frontier, frontier[1:]))
     for i, ((x0, y0), (x1, y1)) in enumerate(segments):
         if y0 != y1 and (y0 - loss) * (y1 - loss) <= 0:
-            return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), [], i
+            return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), [], range(i, i + 2)
     i = 0 if loss > max(y for _, y in frontier) else len(segments) - 1
     (x0, y0), (x1, y1) = segments[i]
     if y1 >= y0 or x1 == x0:
         return None
-    return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), ["extrapolated"], i
+    return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), ["extrapolated"], range(i, i + 2)
 
 
-def _jackknife(estimate: float, left_out: list[float], t: float) -> tuple[float, float]:
-    """estimate -+ t * the jackknife standard error over the n leave-one-seed-out values (step 4)."""
-    half = t * math.sqrt((len(left_out) - 1) * np.var(left_out))  # var: the mean squared deviation
-    return estimate - half, estimate + half
+def _interval(estimate: float, replicates: list[float], t: float, alone: bool) -> tuple[float, tuple[float, float]]:
+    """(centre, 95% interval): the estimate -+ t * the jackknife standard error over the n leave-one-seed-out values
+    (step 4); `alone`: the mean of the n seeds' own values -+ t * its standard error (step 5)."""
+    n, variance = len(replicates), np.var(replicates)  # var: the mean squared deviation
+    centre = float(np.mean(replicates)) if alone else estimate
+    half = t * math.sqrt(variance / (n - 1) if alone else (n - 1) * variance)
+    return centre, (centre - half, centre + half)
 
 
 # ---- report --------------------------------------------------------------------------------------------------------
@@ -277,6 +405,45 @@ def markdown(result: Verdict) -> str:
             notes += [] if m is None else [f"{m.unit}: {flag}" for flag in m.flags]
         lines.append(f"| {arch} | {budget:.3g} | {' | '.join(cells)} | {'; '.join(notes)} |")
     return "\n".join(lines) + "\n"
+
+
+def robustness_markdown(rows: list[Robustness]) -> str:
+    """One table: k under each analysis (step 5) at each baseline budget, and the verdict."""
+    widened = f", widened by a rerun floor of {rows[0].floor:g} bpb" if rows[0].floor else ""
+    unit, names = UNIT_NAMES[rows[0].unit], " | ".join(ANALYSES)
+    lines = [f"### The compute multiplier in {unit} under each analysis (95% intervals{widened})", "",
+             "primary: each seed-mean parabola's vertex, realized FLOPs, a piecewise-linear frontier, the jackknife "
+             "over seeds; a k without an interval: a fit with one seed left out or alone has no crossing. A verdict "
+             "is clear only where every interval excludes 1.", "",
+             f"| arch | baseline budget | {names} | verdict |", "|---" * (len(ANALYSES) + 3) + "|"]  # fmt: skip
+    for r in rows:
+        cells = ["n/a" if m is None else "no crossing" if m.k is None else _with_interval(m.k, m.interval, ".3f")
+                 for m in r.by_analysis.values()]  # fmt: skip
+        lines.append(f"| {r.arch} | {r.budget:.3g} | {' | '.join(cells)} | {r.verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def headline(rows: list[Robustness], ngram_budgets: Collection[float] = ()) -> str:
+    """Per architecture: the primary k at the largest baseline budget, its interval and its verdict under every
+    analysis, then the primary k at each budget in order. Budgets in `ngram_budgets` (where the losses compared are
+    those of n-gram counts, not of what the architecture learns) are left out of both."""
+    lines = []
+    for arch in dict.fromkeys(r.arch for r in rows):
+        kept = sorted((r for r in rows if r.arch == arch and r.budget not in ngram_budgets), key=lambda r: r.budget)
+        if not kept:
+            lines.append(f"{arch}: every baseline budget is in the n-gram regime, so no headline")
+            continue
+        top, m = kept[-1], kept[-1].by_analysis["primary"]
+        reading = f"{_times(m.k)} the {UNIT_NAMES[top.unit]}" if m.k else "no crossing"
+        reading += f" [{m.interval[0]:.3f}, {m.interval[1]:.3f}]" if m.k and m.interval else ""
+        verdict = f"{top.verdict} under every analysis" if top.clear else "not clear: not every interval excludes 1"
+        trend = " → ".join(f"{_times(r.by_analysis['primary'].k)} at {r.budget:.3g}" for r in kept)
+        lines.append(f"{arch} at {top.budget:.3g}: {reading}, {verdict}; over budgets {trend}")
+    return "\n".join(lines)
+
+
+def _times(k: float | None) -> str:
+    return "no crossing" if k is None else f"{k:.3f}×"  # 3 decimals: whether an interval holds 1 shows
 
 
 def plot(result: Verdict, path: Path) -> None:

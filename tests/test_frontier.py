@@ -9,7 +9,22 @@ import numpy as np
 import pytest
 
 from ppt.common import PPTError
-from ppt.frontier import RunResult, isoflop_minimum, markdown, paired_difference, plot, t_cdf, t_quantile, verdict
+from ppt.frontier import (
+    ANALYSES,
+    Analysis,
+    RunResult,
+    headline,
+    isoflop_minimum,
+    markdown,
+    paired_difference,
+    plot,
+    rerun_floor,
+    robustness,
+    robustness_markdown,
+    t_cdf,
+    t_quantile,
+    verdict,
+)
 
 K = 0.6  # not a ratio of two budgets, so b's frontier is read between its optima, not at one
 BUDGETS = [1e15, 2e15, 4e15, 8e15]
@@ -36,19 +51,22 @@ def chinchilla_optimal_size_log(compute: float) -> float:
     return (math.log(ALPHA * A / (BETA * B)) + BETA * math.log(compute / 6)) / (ALPHA + BETA)
 
 
-def study(law, optimal_size_log, seeds=(0,), offset=0.0, noise=0.0, budgets=BUDGETS, draw=0) -> list[RunResult]:
+def study(
+    law, optimal_size_log, seeds=(0,), offset=0.0, noise=0.0, budgets=BUDGETS, draw=0, k=K, overshoot=1.0
+) -> list[RunResult]:
     """Five sizes per budget spanning e^2 around a's optimal size. Each seed adds one random offset (sd `offset`) to
     every run's loss, as a seed's data order would: the paired design cancels it; and each run adds independent
-    noise (sd `noise`)."""
+    noise (sd `noise`). b's runs record `overshoot` times their budget as realized FLOPs."""
     rng, runs = np.random.default_rng(draw), []
     for seed in seeds:
         shift = rng.normal(0, offset)
         for budget in budgets:
             for size in np.exp(optimal_size_log(budget) + np.linspace(-1, 1, 5)):
                 tokens = budget / (6 * size)
-                for arch, loss, tokens_per_s in (("a", law(size, budget), 1e6), ("b", law(size, budget / K), 2e6)):
+                for arch, loss, flops, speed in (("a", law(size, budget), budget, 1e6),
+                                                 ("b", law(size, budget / k), budget * overshoot, 2e6)):  # fmt: skip
                     loss += shift + rng.normal(0, noise)
-                    runs.append(RunResult(arch, budget, size, seed, loss, budget, tokens, tokens / tokens_per_s))
+                    runs.append(RunResult(arch, budget, size, seed, loss, flops, tokens, tokens / speed))
     return runs
 
 
@@ -127,6 +145,88 @@ def test_multiplier_on_a_chinchilla_law_is_close():
         assert m.k == pytest.approx(K / 2 if unit == "seconds" else K, rel=0.06 if m.flags else 0.01)
 
 
+def test_every_analysis_recovers_k_on_a_chinchilla_law():
+    """In FLOPs every analysis of step 5 reads the true k within a few percent (the best observed size, moving in
+    steps of e^0.5, within 3%; the piecewise frontier extended below b's smallest budget 5% low, flagged), and the
+    verdict is clear. In tokens the best observed size is 0.77 for 0.6 (ppt/frontier.py, step 5)."""
+    rows = robustness(study(chinchilla_law, chinchilla_optimal_size_log, range(3), 0.03, 0.0015), baseline="a")
+    assert [r.budget for r in rows] == BUDGETS and all(r.verdict == "cheaper" and r.clear for r in rows)
+    for r in rows:
+        assert list(r.by_analysis) == list(ANALYSES)
+        for name, m in r.by_analysis.items():
+            extended = r.budget == BUDGETS[0] and name != "quadratic frontier"
+            assert m.k == pytest.approx(K, rel=0.06 if extended else 0.03), name
+            assert m.interval[0] < m.k < m.interval[1] < 1
+    tokens = robustness(study(chinchilla_law, chinchilla_optimal_size_log, range(3), 0.03, 0.0015), "a", "tokens")
+    assert [r.by_analysis["best observed size"].k for r in tokens[1:]] == pytest.approx([0.766] * 3, abs=0.002)
+
+
+def test_nominal_flops_and_seeds_alone():
+    """b's runs record 5% more FLOPs than their budget: the primary analysis reads k 5% higher, the nominal one not.
+    Each seed alone: k is the geometric mean of the seeds' own verdicts, its interval their t interval."""
+    runs = study(exact_law, exact_optimal_size_log, range(3), noise=0.002, overshoot=1.05)
+    primary, nominal = (multipliers(verdict(runs, "a", a)) for a in (Analysis(), Analysis(nominal_flops=True)))
+    alone = multipliers(verdict(runs, "a", Analysis(seeds_alone=True)))
+    by_seed = [multipliers(verdict([r for r in runs if r.seed == seed], "a")) for seed in range(3)]
+    for key, m in primary.items():
+        assert nominal[key].k / m.k == pytest.approx(1 / 1.05 if key[1] == "flops" else 1, rel=1e-9)
+        ln_k = {seed: math.log(by_seed[seed][key].k) for seed in range(3)}
+        mean, low, high = paired_difference(ln_k, dict.fromkeys(range(3), 0.0))
+        assert alone[key].k == pytest.approx(math.exp(mean))
+        assert alone[key].interval == pytest.approx((math.exp(low), math.exp(high)))
+
+
+def test_analyses_that_disagree_about_1_are_not_clear():
+    """b is 0.9x as dear in nominal FLOPs but records 1.2x its budget: every analysis on realized FLOPs says dearer,
+    the nominal one cheaper, so the verdict is not clear; in tokens every analysis agrees."""
+    runs = study(exact_law, exact_optimal_size_log, range(3), offset=0.03, k=0.9, overshoot=1.2)
+    (row,) = [r for r in robustness(runs, "a") if r.budget == 4e15]
+    assert {name: m.k > 1 for name, m in row.by_analysis.items()} == {**dict.fromkeys(ANALYSES, True),
+                                                                      "nominal FLOPs": False}  # fmt: skip
+    assert row.verdict == "not clear" and not row.clear
+    assert "| b | 4e+15 | 1.080 [1.080, 1.080] |" in robustness_markdown(robustness(runs, "a"))
+    assert all(r.verdict == "cheaper" for r in robustness(runs, "a", unit="tokens"))
+    with pytest.raises(PPTError, match="no multiplier in 'parameters'"):
+        robustness(runs, "a", unit="parameters")
+
+
+def test_the_headline_is_the_largest_budget_outside_the_ngram_regime():
+    rows = robustness(study(exact_law, exact_optimal_size_log, range(3), offset=0.03), "a")
+    assert headline(rows, ngram_budgets={1e15, 8e15}) == (
+        "b at 4e+15: 0.600× the FLOPs [0.600, 0.600], cheaper under every analysis; over budgets 0.600× at 2e+15 → "
+        "0.600× at 4e+15"
+    )
+    assert headline(rows, ngram_budgets=BUDGETS) == "b: every baseline budget is in the n-gram regime, so no headline"
+    runs = study(exact_law, exact_optimal_size_log, range(3), offset=0.03, k=0.9, overshoot=1.2)
+    assert "not clear: not every interval excludes 1" in headline(robustness(runs, "a"))
+
+
+def test_the_rerun_floor_widens_every_interval_by_its_shift_through_the_frontier():
+    """On the exact law the frontier falls 0.1 bpb per e-fold of compute, so shifting b's losses by the floor
+    0.0031 moves ln k by 0.031 (module docstring, step 6): every interval, exactly (k, k) without it, widens to
+    k e^-+0.031 under every analysis."""
+    # three archived runs trained again on another GPU and commit differed by 0.0006, 0.0005 and 0.0031 bpb
+    floor = rerun_floor([(1.2790, 1.2796), (1.7743, 1.7738), (2.0091, 2.0122)])
+    assert floor == pytest.approx(0.0031)
+    rows = robustness(study(exact_law, exact_optimal_size_log, range(3), offset=0.03), "a", floor=floor)
+    for m in (m for r in rows for m in r.by_analysis.values()):
+        assert m.interval == pytest.approx((m.k * math.exp(-0.031), m.k * math.exp(0.031)))
+    assert "widened by a rerun floor of 0.0031 bpb" in robustness_markdown(rows)
+    with pytest.raises(PPTError, match="rerun floor needs"):
+        rerun_floor([])
+
+
+def test_a_quadratic_frontier_needs_three_budgets():
+    runs = study(exact_law, exact_optimal_size_log, range(2), offset=0.03, budgets=BUDGETS[:2])
+    with pytest.raises(PPTError, match=r"a has runs at 2 budget\(s\); a quadratic frontier needs at least 3"):
+        verdict(runs, "a", Analysis(quadratic_frontier=True))
+    rows = robustness(runs, "a")
+    assert all(r.by_analysis["quadratic frontier"] is None and r.verdict == "cheaper" for r in rows)
+    (line,) = [line for line in robustness_markdown(rows).splitlines() if line.startswith("| b | 2e+15 |")]
+    exact = "0.600 [0.600, 0.600]"
+    assert line.split(" | ")[2:] == [exact, "0.618 [0.618, 0.618]", exact, "n/a", exact, "cheaper |"]
+
+
 def test_isoflop_minimum_of_an_exact_parabola():
     sizes = np.exp(np.linspace(15, 19, 6))
     size, loss, flags = isoflop_minimum(sizes, [2.0 + 0.3 * (math.log(s) - 17.3) ** 2 for s in sizes])
@@ -151,7 +251,8 @@ SMALL_2E15 = exact_optimal_size_log(2e15) + 0.2  # below it: 3 of a budget's 5 s
          r"b at budget 2e\+15 has 2 size\(s\); an IsoFLOP parabola needs at least 3"),
         (lambda runs: runs[1:], r"lacks seed\(s\) \[0\]"),
         (lambda runs: runs + runs[:1], "two runs of a at budget 1e\\+15"),
-        (lambda runs: [r for r in runs if r.arch == "a" or r.budget == 1e15], "b has runs at one budget"),
+        (lambda runs: [r for r in runs if r.arch == "a" or r.budget == 1e15],
+         r"b has runs at 1 budget\(s\); a piecewise frontier needs at least 2"),
         (lambda runs: [RunResult(**{**vars(runs[0]), "loss": math.nan})] + runs[1:], "must be finite and positive"),
     ],
 )  # fmt: skip
