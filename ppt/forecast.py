@@ -142,7 +142,7 @@ def _point(runs: Sequence[frontier.RunResult], baseline: str, budget: float) -> 
     """Steps 1-3 on one set of runs."""
     result = frontier.verdict(runs, baseline)
     laws = {}
-    for arch in sorted({o.arch for o in result.optima}):
+    for arch in sorted({o.arch for o in result.optima}, key=lambda a: (a != baseline, a)):  # the baseline first
         optima = sorted((o for o in result.optima if o.arch == arch), key=lambda o: o.budget)
         laws[arch] = fit_law([o.at["flops"] for o in optima], [o.loss for o in optima])
         laws[arch].flags += [f"{o.budget:.3g}'s optimum {flag}" for o in optima for flag in o.flags]
