@@ -62,8 +62,8 @@ from typing import Any
 import torch
 
 from ppt import frontier
-from ppt.baselines import ngram_bpb
-from ppt.common import ArgumentParser, PPTError, atomic_file, nonneg_int, positive_float, positive_int, run_cli
+from ppt.baselines import NGRAM_MARGIN, in_ngram_regime, ngram_bpb, order_name
+from ppt.common import ArgumentParser, PPTError, atomic_file, few, nonneg_int, positive_float, positive_int, run_cli
 from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
 from ppt.run import RunRecord, git_state, hardware
@@ -79,10 +79,16 @@ GRID_KEYS = ("name", "data_dir", "seeds", "budgets", "baseline", "sizes_per_budg
 # budget's runs 3.1x (6.3e13) and 2.5x (3.5e14) as fast as one at a time on an H100, bit for bit (docs/benchmarks.md)
 RUNS_PER_GPU = 4
 MAX_EXTENSIONS = 3  # rates added past either end of a sweep
+RATE_CHECK = 5  # a size's rate is checked at a budget this many times the FLOPs of the one it was swept at
 STATUS_EVERY = 180  # seconds between status lines off a terminal
 WAIT_S = 2.0  # how long the study waits for a run to end before it looks at signals and the deadline again
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 TIMING_STEPS = 40  # steps a --time measurement runs
+ORDER_NAMES = [order_name(n) for n in range(1, 5)]  # the count baselines' orders (ppt/baselines.py)
+# The largest change of a final val bpb seen when archived runs were trained again on another GPU kind and commit
+# (three runs of the mixed study at 6573827 on an H100 against their H200 records: 0.0006, 0.0005, 0.0031): a verdict
+# whose records mix commits, model sources or GPUs carries it in its intervals (ppt.frontier.widened_multipliers)
+CROSS_MACHINE_FLOOR = 0.0031
 
 
 @dataclass
@@ -220,6 +226,11 @@ def load_grid(path: Path) -> Grid:
     return grid
 
 
+def _round(lr: float) -> float:
+    """A rate as its run's name spells it (3 digits), so that a rate reached two ways is one run."""
+    return float(f"{lr:.3g}")
+
+
 class _Refused(Exception):
     pass
 
@@ -261,7 +272,7 @@ class Study:
         self.min_tokens: dict[str, float] = {}  # arch -> the tokens base_train needs at least (one step, the warmup)
         self.train_tokens = math.inf  # tokens of the train split, filled by measure_sizes
         self.data_fingerprint: str | None = None  # of the data's tokens (ppt.shards), filled by measure_sizes
-        self.decisions: dict[str, Any] = {"rates": {}, "sizes": {}}
+        self.decisions: dict[str, Any] = {"rates": {}, "rate_at": {}, "sizes": {}, "baselines": {}}
         self.finished: dict[Run, RunRecord] = {}  # records of finished runs, read once
         # the runs' records register in the study's directory (<out>/reports), not in the user's cache: run names
         # are the study's, and another study of the same grid elsewhere has runs of the same names
@@ -269,6 +280,36 @@ class Study:
 
     def run_dir(self, run: Run) -> Path:
         return self.out / "runs" / run.name
+
+    def save(self, grid_path: Path) -> None:
+        """<out>/study.json: every decision, and what the data says that the results need (restore reads it back)."""
+        decided = {"grid_file": str(grid_path), "grid": asdict(self.grid), "deterministic": self.deterministic,
+                   "params": self.params, "train_tokens": self.train_tokens, "data_fingerprint": self.data_fingerprint,
+                   "min_tokens": self.min_tokens, **self.decisions}  # fmt: skip
+        with atomic_file(self.out / "study.json") as f:
+            f.write(json.dumps(decided, indent=1, default=str).encode())
+
+    def restore(self) -> None:
+        """--report: what measure_sizes and the count baselines read from the data, from study.json instead."""
+        try:
+            saved = json.loads((self.out / "study.json").read_text())
+            self.params, self.train_tokens, self.min_tokens = (
+                saved["params"],
+                saved["train_tokens"],
+                saved["min_tokens"],
+            )
+            self.data_fingerprint, self.decisions["baselines"] = saved["data_fingerprint"], saved["baselines"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise PPTError(f"--report reads {self.out / 'study.json'} as a finished study wrote it ({exc!r}); run the "
+                           "study (without --report) with its data once") from None  # fmt: skip
+
+    def baselines(self, record: RunRecord) -> dict[str, Any]:
+        """The count baselines on the val targets `record`'s final evaluation scored: kept in study.json, so that
+        the results can be written again from the records alone."""
+        key = f"{record.train.eval_tokens} {record.train.seq_len} {record.train.world_size}"
+        if key not in self.decisions["baselines"]:
+            self.decisions["baselines"][key] = ngram_bpb(self.grid.data_dir, *map(int, key.split()))
+        return self.decisions["baselines"][key]
 
     def speeds(self) -> dict[str, Any]:
         """What `--time` measured ({} before it has run)."""
@@ -334,7 +375,7 @@ class Study:
         while True:
             waiting, means = [], {}
             for size in sizes:
-                lr, sweep = self.rate(arch, size, self.first_budget(arch, size, budget))
+                lr, sweep = self.rate_at(arch, size, budget)
                 runs = sweep if lr is None else [Run(arch.name, size, budget, lr, s) for s in self.grid.seeds]
                 waiting += [r for r in runs if self.loss(r) is None]
                 if lr is not None and not waiting:
@@ -393,9 +434,31 @@ class Study:
         """The smallest budget that trains the size: a smaller one whose sizes (decided first) hold it, or this one."""
         return next((b for b in self.grid.budgets if b < budget and size in self.decided_sizes(arch, b)), budget)
 
-    def rate(self, arch: Arch, size: str, budget: float) -> tuple[float | None, list[Run]]:
-        """(the size's learning rate, its sweep's runs at the budget); None until the sweep has decided."""
-        lrs, seed = list(arch.lrs), self.grid.seeds[0]
+    def rate_at(self, arch: Arch, size: str, budget: float) -> tuple[float | None, list[Run]]:
+        """(the size's learning rate at a budget, the runs still needed to decide it; None until decided). Swept at
+        the smallest budget that trains the size, then checked at each budget it trains at RATE_CHECK times (or more)
+        the FLOPs of the budget it was last swept at: seed 0 at the rate and one neighbour each side, which is a
+        sweep there, extended past a neighbour that wins. A grid of one rate (no sweep) is not checked."""
+        swept_at = self.first_budget(arch, size, budget)
+        lr, sweep = self.rate(arch, size, swept_at, arch.lrs, f"{arch.name} {size}")
+        step = arch.lrs[1] / arch.lrs[0] if len(arch.lrs) > 1 else None
+        for later in self.grid.budgets:
+            if lr is None or step is None or not swept_at < later <= budget or later < RATE_CHECK * swept_at:
+                continue
+            if later == budget or size in self.decided_sizes(arch, later):
+                start = [_round(lr / step), lr, _round(lr * step)]
+                lr, sweep = self.rate(arch, size, later, start, f"{arch.name} {size} at {later:.3g}")
+                swept_at = later
+        if lr is not None:
+            self.decisions["rate_at"][f"{arch.name} {size} {budget:.3g}"] = {"lr": lr, "swept_at": swept_at}
+        return lr, sweep
+
+    def rate(
+        self, arch: Arch, size: str, budget: float, start: list[float], key: str
+    ) -> tuple[float | None, list[Run]]:
+        """(the best rate of a sweep from `start` at the budget, its runs); None until it has decided (then in
+        decisions["rates"][key]). A best at an end adds the next rate past it, up to MAX_EXTENSIONS a side; seed 0."""
+        lrs, seed = list(start), self.grid.seeds[0]
         while True:
             sweep = [Run(arch.name, size, budget, lr, seed) for lr in lrs]
             losses = [self.loss(r) for r in sweep]
@@ -404,13 +467,13 @@ class Study:
             best = lrs[losses.index(min(losses))]
             if all(math.isinf(x) for x in losses):
                 raise PPTError(f"every learning rate of {arch.name} {size} diverged ({lrs}); give lower `lrs`")
-            below, above = sum(lr < min(arch.lrs) for lr in lrs), sum(lr > max(arch.lrs) for lr in lrs)
+            below, above = sum(lr < min(start) for lr in lrs), sum(lr > max(start) for lr in lrs)
             if len(lrs) > 1 and best == lrs[0] and below < MAX_EXTENSIONS:
-                lrs.insert(0, lrs[0] ** 2 / lrs[1])
+                lrs.insert(0, _round(lrs[0] ** 2 / lrs[1]))
             elif len(lrs) > 1 and best == lrs[-1] and above < MAX_EXTENSIONS:
-                lrs.append(lrs[-1] ** 2 / lrs[-2])
+                lrs.append(_round(lrs[-1] ** 2 / lrs[-2]))
             else:
-                self.decisions["rates"][f"{arch.name} {size}"] = {
+                self.decisions["rates"][key] = {
                     "lr": best, "swept_at": budget, "sweep": {repr(lr): x for lr, x in zip(lrs, losses)},
                     "at_edge": len(lrs) > 1 and best in (lrs[0], lrs[-1]),
                 }  # fmt: skip
@@ -444,7 +507,7 @@ class Study:
         for arch in self.grid.archs:
             for budget in self.grid.budgets:
                 for size in self.decided_sizes(arch, budget):
-                    lr = self.decisions["rates"][f"{arch.name} {size}"]["lr"]
+                    lr = self.decisions["rate_at"][f"{arch.name} {size} {budget:.3g}"]["lr"]
                     runs += [Run(arch.name, size, budget, lr, seed) for seed in self.grid.seeds]
         return runs
 
@@ -695,36 +758,84 @@ def edge_notes(study: Study, tables: dict[float, list[compare.Setting]]) -> list
 
 def write_results(study: Study, grid_path: Path) -> str:
     grid, out = study.grid, study.out
-    first = study.record(study.grid_runs()[0])
-    counts = ngram_bpb(grid.data_dir, first.train.eval_tokens, first.train.seq_len, first.train.world_size)
-    regimes = {name: counts[name] for name in ("unigram", "bigram")}  # the bpb rows under each comparison table
-    verdict = frontier.verdict(run_results(study), grid.baseline)
+    runs = [study.record(run) for run in study.grid_runs()]
+    first = runs[0]
+    counts = study.baselines(first)
+    models = {name: bpb for name, bpb in counts.items() if name in ORDER_NAMES}  # each count model's bpb
+    results = run_results(study)
+    verdict = frontier.verdict(results, grid.baseline)
     frontier.plot(verdict, out / "frontier.png")
+    tables = {budget: budget_settings(study, budget) for budget in grid.budgets}
+    best = {budget: {a.name: best_setting(settings, a.name) for a in grid.archs} for budget, settings in tables.items()}
+    ngram = [
+        b
+        for b, by_arch in best.items()  # budgets where an architecture's best is not clearly below the counts
+        if any(in_ngram_regime(statistics.fmean(s.final("val_bpb")), counts) for s in by_arch.values())
+    ]
+    trees = {(r.git.get("commit"), r.model_source.get("sha256"), r.hardware.get("gpu")) for r in runs}
+    floor = CROSS_MACHINE_FLOOR if len(trees) > 1 else 0.0
+    rows = frontier.robustness(results, grid.baseline, "flops", floor)
     hardware = first.hardware
     walls = [r.wall_time_s for r in map(RunRecord.load, sorted(out.glob("runs/*/*.json"))) if r.final_val]
-    sources = dict.fromkeys(f"{(r.git.get('commit') or '?')[:8]} (model source {r.model_source.get('sha256', '?')[:8]})"
-                            for r in map(study.record, study.grid_runs()))  # fmt: skip
-    commits = f"commit{'s' * (len(sources) > 1)} {', '.join(sources)}"
+    sources = dict.fromkeys(f"{(r.git.get('commit') or '?')[:8]}{' (dirty)' * bool(r.git.get('dirty'))} (model "
+                            f"source {r.model_source.get('sha256', '?')[:8]})" for r in runs)  # fmt: skip
+    dirty = sum(bool(r.git.get("dirty")) for r in runs)
+    commits = f"commit{'s' * (len(sources) > 1)} {', '.join(sources)}" + (
+        f" ({dirty} of {len(runs)} runs from a tree with uncommitted changes)" if dirty else ""
+    )
+    speeds = study.speeds()
+    timed = (f"GPU-seconds: each size's tokens/s timed alone by `--time` ({speeds['hardware'].get('gpu', 'CPU')}, "
+             f"commit {(speeds['git'].get('commit') or '?')[:8]}, {speeds['measured']})" if speeds else
+             "GPU-seconds: not timed (`--time N` times each size alone; the runs' own speeds depend on what trained "
+             "beside them)")  # fmt: skip
     text = [
         f"# {grid.name}\n",
         f"`python -m scripts.study {grid_path}`; {commits}; {hardware.get('gpu', 'CPU')}, torch "
         f"{hardware['torch']}, triton {hardware.get('triton')}; data {grid.data_dir} (fingerprint "
         f"{first.data['fingerprint'][:12]}), tokenizer {first.tokenizer['name']}; "
         f"{'deterministic' if study.deterministic else 'not deterministic'}.\n",
-        f"Count baselines of the val tokens (train-split counts): unigram {regimes['unigram']:.4f}, bigram "
-        f"{regimes['bigram']:.4f} bpb.\n",
         f"Run time: {len(walls)} finished runs in {out / 'runs'} (sweeps, floor and runs past the grid's included), "
         f"{duration(sum(walls))} of run wall time, compilation and evaluation included.\n",
+        "## The verdict\n",
+        "The primary analysis, fixed before any study ran: each size's seed-mean loss, a parabola in ln size whose "
+        "vertex is the budget's optimum, realized comparison FLOPs, frontiers joined piecewise linearly, intervals by "
+        "the jackknife over seeds. A budget's verdict is clear only where every analysis below excludes 1, and no "
+        "headline comes from a budget in the n-gram regime.\n",
+        frontier.headline(rows, ngram) + "\n",
+        "N-gram regime: " + (", ".join(f"{b:.3g}" for b in ngram) or "no budget") + " (where an architecture's best "
+        f"size is not below the best count model, {counts['best']} at {models[counts['best']]:.4f} bpb, by "
+        f"{NGRAM_MARGIN:g} bpb or more).\n",
+        f"Rerun floor across machines: {floor:g} bpb added to every interval (the records come from "
+        f"{len(trees)} (commit, model source, GPU) combinations; {CROSS_MACHINE_FLOOR:g} is the largest difference "
+        "seen when archived runs were trained again on another GPU kind and commit)\n"
+        if floor
+        else "Rerun floor across machines: not applied (every record from one commit, model source and GPU kind; "
+        f"across them runs have moved by up to {CROSS_MACHINE_FLOOR:g} bpb)\n",
+        frontier.robustness_markdown(rows),
+        frontier.markdown(verdict),
+        timed + "\n",
+        *edge_notes(study, tables),
+        "",
+        "## Count baselines\n",
+        "Kneser-Ney count models of the train split, scored on the val targets the runs' final evaluation scored "
+        "(ppt/baselines.py): " + ", ".join(f"{name} {bpb:.4f}" for name, bpb in models.items()) + " bpb.\n",
+        "| budget | " + " | ".join(f"best {a.name} (bpb)" for a in grid.archs) + " | regime |",
+        "|---" * (len(grid.archs) + 2) + "|",
+        *(
+            f"| {b:.3g} | "
+            + " | ".join(f"{s.fields['size']} {statistics.fmean(s.final('val_bpb')):.4f}" for s in by_arch.values())
+            + f" | {'n-gram' if b in ngram else 'learned'} |"
+            for b, by_arch in best.items()
+        ),  # fmt: skip
+        "",
         "## Learning rates\n\n| architecture size | swept at | val bpb by rate | chosen |\n|---|---|---|---|",
     ]
     for key, rate in study.decisions["rates"].items():
         sweep = ", ".join(f"{float(lr):g}: {x:.4f}" for lr, x in rate["sweep"].items())
         text.append(f"| {key} | {rate['swept_at']:.3g} | {sweep} | {rate['lr']:g}{' (at an edge)' * rate['at_edge']} |")
-    tables = {budget: budget_settings(study, budget) for budget in grid.budgets}
-    text += ["", "## The verdict\n", frontier.markdown(verdict), "", *edge_notes(study, tables), ""]
-    text += [floor_text(study), ""]
+    text += ["", floor_text(study), ""]
     for budget, settings in tables.items():
-        table = compare.table(settings, best_setting(settings, grid.baseline), [], regimes, times=False)
+        table = compare.table(settings, best_setting(settings, grid.baseline), [], models, times=False)
         text.append(f"## {budget:.3g} comparison FLOPs\n\n{table}\n")
     (out / "results.md").write_text("\n".join(text))
     return "\n".join(text)
@@ -734,10 +845,13 @@ def study_main(args: argparse.Namespace) -> int:
     grid = load_grid(args.grid)
     grid.data_dir = args.data_dir or grid.data_dir
     out = args.out or Path("runs") / grid.name
-    if not (grid.data_dir / "meta.json").is_file():
-        raise PPTError(f"data_dir {grid.data_dir} holds no prepared shards (no meta.json); prepare it first")
     study = Study(grid, out, not args.no_deterministic)
-    study.measure_sizes()
+    if args.report:
+        study.restore()
+    elif not (grid.data_dir / "meta.json").is_file():
+        raise PPTError(f"data_dir {grid.data_dir} holds no prepared shards (no meta.json); prepare it first")
+    else:
+        study.measure_sizes()
     if args.dry_run:
         runs = study.plan()
         for run in runs:
@@ -749,6 +863,12 @@ def study_main(args: argparse.Namespace) -> int:
             f"the finished runs time them{unknown}"
         )
         return 0
+    if args.report:
+        if missing := [run.name for run in study.plan()]:
+            raise PPTError(f"{len(missing)} runs the results need have not finished in {out} ({few(missing)}): train "
+                           "them (the same command without --report), then report")  # fmt: skip
+        print(write_results(study, args.grid))
+        return 0
     launcher = make_launcher(args, grid, out)
     lock_directory(out, "wait for the study using it, or pass another --out")  # makes `out`, or says why it cannot
     try:
@@ -757,17 +877,16 @@ def study_main(args: argparse.Namespace) -> int:
                 raise PPTError(f"{out} has runs left to train; finish the study before timing its sizes")
             time_sizes(study, launcher, args.time)
             print(write_results(study, args.grid))
+            study.save(args.grid)
             return 0
         ended = execute(study, launcher, None if args.deadline is None else time.time() + args.deadline)
-        decided = {"grid_file": str(args.grid), "grid": asdict(grid), "deterministic": study.deterministic}
-        decided |= {"params": study.params, **study.decisions}
-        with atomic_file(out / "study.json") as f:
-            f.write(json.dumps(decided, indent=1, default=str).encode())
+        study.save(args.grid)
         if ended != "complete":
             left = len(study.plan())
             print(f"{ended}: {left} or more runs left; rerun the same command to continue", flush=True)
             return {"deadline": 3, "stopped": 128 + signal.SIGINT, "failed": 1}[ended]
         print(write_results(study, args.grid))
+        study.save(args.grid)  # with the count baselines the results computed
         print(f"\nstudy record: {out / 'study.json'}\nresults: {out / 'results.md'}\nplot: {out / 'frontier.png'}")
         return 0
     finally:
@@ -801,6 +920,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the runs called for next and their time; run nothing")
     p.add_argument("--deadline", type=positive_float, help="seconds: start no run that would end later, stop those "
                    "still going then (each with a checkpoint)")  # fmt: skip
+    p.add_argument("--report", action="store_true", help="write results.md again from the records and study.json "
+                   "alone: no prepared data needed, nothing trained")  # fmt: skip
     p.add_argument("--time", type=positive_int, metavar="N", help="after the runs: time each size N times alone on a "
                    "GPU (--benchmark, sizes interleaved) for the verdict's GPU-seconds; then the results")  # fmt: skip
     g = p.add_argument_group("where the runs train")

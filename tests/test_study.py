@@ -57,7 +57,8 @@ def table_grid(lrs: list[float], sizes: int = 6) -> study.Grid:
 def test_a_best_rate_at_an_edge_extends_the_sweep_until_it_is_inside():
     best = 0.016  # losses fall towards 0.016 from both sides: the sweep [1e-3, 2e-3, 4e-3] must grow upwards
     s = planned(table_grid([1e-3, 2e-3, 4e-3]), lambda run: abs(math.log(run.lr / best)) + run.seed / 100)
-    for rate in s.decisions["rates"].values():
+    first_sweeps = {key: rate for key, rate in s.decisions["rates"].items() if " at " not in key}
+    for rate in first_sweeps.values():
         assert rate["lr"] == pytest.approx(best) and not rate["at_edge"] and rate["swept_at"] in (1e12, 1e14)
         assert [float(lr) for lr in rate["sweep"]] == pytest.approx([1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2])
     # each size is swept at the smallest budget that trains it: a3 first enters the sizes at 1e14
@@ -65,7 +66,25 @@ def test_a_best_rate_at_an_edge_extends_the_sweep_until_it_is_inside():
     assert s.decisions["rates"]["a a0"]["swept_at"] == 1e12 and s.decisions["rates"]["a a3"]["swept_at"] == 1e14
     # a rate still falling after three extensions stays at the edge, and says so
     s = planned(table_grid([1e-3, 2e-3, 4e-3]), lambda run: -run.lr)
-    assert all(r["at_edge"] and r["lr"] == pytest.approx(4e-3 * 2**3) for r in s.decisions["rates"].values())
+    first_sweeps = [rate for key, rate in s.decisions["rates"].items() if " at " not in key]
+    assert all(r["at_edge"] and r["lr"] == pytest.approx(4e-3 * 2**3) for r in first_sweeps)
+
+
+def test_a_rate_is_checked_where_it_is_used_far_from_its_sweep_and_swept_again_if_a_neighbour_wins():
+    """At a budget 5x (or more) the FLOPs of its sweep a size's rate is checked by seed 0 at the rate and one
+    neighbour each side; here the best rate halves between the budgets, so the lower neighbour wins at 1e14, the
+    sweep extends past it (1e-3 loses) and the runs there train at 2e-3."""
+    best = {1e12: 4e-3, 1e14: 2e-3}
+    s = planned(table_grid([2e-3, 4e-3, 8e-3]), lambda run: abs(math.log(run.lr / best[run.budget])))
+    assert s.decisions["rate_at"]["a a0 1e+12"] == {"lr": 4e-3, "swept_at": 1e12}
+    assert s.decisions["rate_at"]["a a0 1e+14"] == {"lr": 2e-3, "swept_at": 1e14}
+    check = s.decisions["rates"]["a a0 at 1e+14"]
+    assert [float(lr) for lr in check["sweep"]] == pytest.approx([1e-3, 2e-3, 4e-3, 8e-3]) and not check["at_edge"]
+    assert {run.lr for run in s.grid_runs() if run.budget == 1e14} == {2e-3}
+    # budgets closer than 5x are not checked; nor is a grid of one rate (no sweep to take a neighbour's step from)
+    grid = replace(table_grid([2e-3, 4e-3, 8e-3]), budgets=[1e12, 4e12])
+    assert not [key for key in planned(grid, lambda run: 1.0).decisions["rates"] if " at " in key]
+    assert not [key for key in planned(table_grid([3e-3]), lambda run: 1.0).decisions["rates"] if " at " in key]
 
 
 def test_sizes_start_at_the_prior_and_grow_past_a_best_at_an_edge():
@@ -159,12 +178,12 @@ def cpu_study(demo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return work / "runs" / "cpu"
 
 
-TIMES = {"started", "finished", "wall_time_s", "tok_per_s", "step_time", "data_time", "max_rss_gb", "hardware"}
+TIMES = {"started", "finished", "wall_time_s", "tok_per_s", "step_time", "data_time", "max_rss_gb", "hardware", "git"}
 
 
 def comparable(path: Path) -> dict:
     """A run record without what differs between two machines or launches of the same run: times, speeds, memory,
-    hardware (host and packing)."""
+    hardware (host and packing), and the checkout's state (its model source stays)."""
 
     def clean(x: object) -> object:
         if isinstance(x, dict):
@@ -256,7 +275,7 @@ def test_rerun_trains_nothing_and_a_changed_grid_is_refused(cpu_study, demo_home
     assert study.main([str(CPU_GRID), "--out", str(moved), "--data-dir", str(tmp_path / "data"), "--dry-run"]) == 0
     assert ": python -m" not in capsys.readouterr().out
     changed = tmp_path / "changed.toml"
-    changed.write_text(GRID.replace('"--eval-tokens", "2048"', '"--eval-tokens", "1024"'))
+    changed.write_text(GRID.replace('"--eval-tokens", "1024"', '"--eval-tokens", "512"'))
     with pytest.raises(PPTError, match="another command"):
         study.main([str(changed), "--out", str(out)])
 
@@ -301,7 +320,7 @@ def test_a_bad_out_is_refused_with_one_message_before_any_run(demo_home, tmp_pat
     [
         (lambda g: g.replace("lrs = [1e-2]", "lrs = []"), "non-empty list"),
         (lambda g: g.replace('baseline = "vanilla"', 'baseline = "gpt2"'), "not an \\[arch"),
-        (lambda g: g.replace('"--seq-len", "64"', '"--lr", "1", "--seq-len", "64"'), "--lr"),
+        (lambda g: g.replace('"--seq-len", "32"', '"--lr", "1", "--seq-len", "32"'), "--lr"),
         (lambda g: g.replace('"d1", "d2", "d3", "d4"', '"d1", "d2"'), "at least 3 config names"),
         (lambda g: g.replace("budgets = [5e9, 1.5e10]", "budgets = [-1]"), "positive"),
         (lambda g: g.replace("seeds = [0, 1]", "seeds = [0.5]"), "whole numbers"),
@@ -314,10 +333,11 @@ def test_a_bad_out_is_refused_with_one_message_before_any_run(demo_home, tmp_pat
         (lambda g: g + '\n[slurm]\nqueue = "a"\n', "\\[slurm\\] takes partition"),
         (lambda g: g + "\n[slurm]\ntime_min = -1\n", "\\[slurm\\] time_min must be a non-negative integer"),
         # values base_train's parser refuses, found before any run starts
-        (lambda g: g.replace('"--seq-len", "64"', '"--seq-len", "0"'), "--seq-len: '0' is not an integer >= 1"),
+        (lambda g: g.replace('"--seq-len", "32"', '"--seq-len", "0"'), "--seq-len: '0' is not an integer >= 1"),
     ],
 )
 def test_bad_grids_are_refused_with_one_message(tmp_path, edit, message):
+    assert edit(GRID) != GRID  # the edit applies to today's cpu.toml
     with pytest.raises(PPTError, match=message):
         study.load_grid(write_grid(tmp_path, edit(GRID)))
 
