@@ -123,9 +123,10 @@ def reach_errors(model: nn.Module, pairs: dict, seq_len: int = 32) -> list[str]:
     on its first call's inputs changed at one position j at a time, the furthest later position i whose output
     changes needs a reach of i - j + 1 (a lower bound: a key the mixer ignores for these values does not show). Reach 1
     over the whole row passes: a recurrence's, whose cost per query does not grow with it (docs/flops.md). The output
-    mixes the module's heads, so its longest declared reach is what is checked."""
+    mixes the module's heads, so its longest declared reach is what is checked. In eval mode: dropout would move
+    every output."""
     rows, g = (2, seq_len), torch.Generator().manual_seed(5)
-    calls = MixerCalls(model, pairs)
+    calls = MixerCalls(model.eval(), pairs)
     with calls:
         model(torch.randint(0, model.config.vocab_size, rows, generator=g))
     names = {module: name or "the model" for name, module in model.named_modules()}
