@@ -3,8 +3,8 @@
 Two architectures live here, each a config dataclass plus an nn.Module that honours the contract in SPEC.md:
 - `Llama`: the vanilla SmolLM decoder (pre-norm, GQA attention with RoPE, SwiGLU MLP, RMSNorm, tied embedding).
 - `MultiscreenLM`: screening attention with learned windows, no FFN, a normalized tied embedding.
-`build_model(config)` picks the class from the config type; `get_config(name, depth)` resolves a name, a size dial
-(`d12`, `multiscreen-d12`) or a depth.
+`MODELS` maps each config class to its model class (a new architecture adds one entry) and `build_model(config)` builds
+from it; `get_config(name, depth)` resolves a name, a size dial (`d12`, `multiscreen-d12`) or a depth.
 `Llama.hf_mapping()` and `config_from_hf(config_json)` say how the vanilla model corresponds to transformers'
 LlamaForCausalLM, for export to and import from Hugging Face folders (optional: Multiscreen has neither).
 """
@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ppt.common import PPTError
+from ppt.contract import build
 from ppt.flops import OpFormulas
 from ppt.kernels import cross_entropy as cross_entropy_op
 from ppt.kernels import gated_output as gated_output_op
@@ -441,6 +442,8 @@ CONFIGS: dict[str, LlamaConfig | MultiscreenConfig] = {
     "multiscreen-tiny": MultiscreenConfig(psi=6, vocab_size=4096, max_seq_len=256),
 }
 DEFAULT_CONFIG = "smollm-360m"
+# The model class of each config class (ppt/contract.py): a new architecture adds its entry here.
+MODELS = {LlamaConfig: Llama, MultiscreenConfig: MultiscreenLM}
 # The formulas of the custom ops this file calls, handed to the FLOPs trace: cost for MFU and the cost table, pairs for
 # the comparison rule (docs/flops.md). A custom op missing from cost stops the trace with the line to add here.
 OP_FORMULAS = OpFormulas(
@@ -527,9 +530,5 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
 
 
 def build_model(config: LlamaConfig | MultiscreenConfig) -> nn.Module:
-    """The module for a config; under `with torch.device("meta")` nothing is allocated (then to_empty + init)."""
-    if isinstance(config, LlamaConfig):
-        return Llama(config)
-    if isinstance(config, MultiscreenConfig):
-        return MultiscreenLM(config)
-    raise PPTError(f"no model class for config type {type(config).__name__}")
+    """The module MODELS names for a config; under `with torch.device("meta")` nothing is allocated."""
+    return build(MODELS, config)

@@ -203,29 +203,37 @@ def from_format_1(data: dict[str, Any]) -> dict[str, Any]:
     return data | {"format": FORMAT, "out_dir": args.get("out_dir") or data.get("data", {}).get("dir", "")}
 
 
+def git(*args: str, root: Path = REPO_ROOT) -> str | None:
+    """git's output in `root`; None where git fails (no checkout, no git)."""
+    try:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
 def git_state() -> dict[str, Any]:
     """Commit sha and whether the working tree differs from it (None outside a git checkout)."""
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    sha = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": sha, "dirty": bool(status) if status is not None else None}
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
-def model_source() -> dict[str, Any]:
+def model_source(root: Path = REPO_ROOT) -> dict[str, Any]:
     """sha256 of the architecture's source (ppt/model.py and the kernels it may call): two runs of one config name
-    whose model code differs are different settings, whatever git says about a dirty tree."""
-    files = [REPO_ROOT / "ppt" / "model.py", *sorted((REPO_ROOT / "ppt" / "kernels").glob("*.py"))]
+    whose model code differs are different settings, whatever git says about a dirty tree. Unless git vouches that
+    every one of these files is the commit's, `source` holds them all as text ({path: text}, tens of kB): a fork's
+    uncommitted model.py is the normal case, and its record then keeps the code that made the run, not only its hash.
+    All of them, not the changed ones alone, so that rebuilding needs no commit for any (the fixed code is the
+    recorded commit's)."""
+    paths = [root / "ppt" / "model.py", *sorted((root / "ppt" / "kernels").glob("*.py"))]
+    files = {path.relative_to(root).as_posix(): path.read_bytes() for path in paths}
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.relative_to(REPO_ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return {"sha256": digest.hexdigest(), "files": [p.relative_to(REPO_ROOT).as_posix() for p in files]}
+    for name, content in files.items():
+        digest.update(name.encode() + b"\0" + content + b"\0")
+    recorded = {"sha256": digest.hexdigest(), "files": list(files)}
+    if git("status", "--porcelain", "--", *files, root=root) != "":  # changed, new (untracked), or no git
+        recorded["source"] = {name: content.decode() for name, content in files.items()}
+    return recorded
 
 
 def hardware() -> dict[str, Any]:

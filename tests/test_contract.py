@@ -9,20 +9,25 @@ An architecture added to model.py is therefore tested here without an edit to th
 import ast
 import dataclasses
 import json
+import math
 import pkgutil
 import subprocess
 import sys
 from inspect import signature
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from architectures import fresh, smallest_config_per_class
+import torch.nn.functional as F
+from architectures import fresh, reach_errors, smallest_config_per_class
+from torch import nn
 
 import ppt.model
 from ppt.common import PPTError
 from ppt.comparison_flops import comparison_flops_rule
-from ppt.flops import cost
+from ppt.contract import build
+from ppt.flops import cost, declare_token_mixer
 from ppt.model_io import LoadedRun, ModelFile
 from ppt.optim import build_optimizer
 
@@ -76,6 +81,14 @@ def test_a_checkpoint_reloads_through_the_config_class_in_configs(name):
     reloaded = model_file.build_from_checkpoint(run)
     idx = torch.randint(0, model.config.vocab_size, (1, 8))
     torch.testing.assert_close(logits(reloaded, idx), logits(model.eval(), idx), atol=0, rtol=0)
+
+
+def test_a_config_class_without_a_model_or_a_model_without_the_contracts_methods_is_one_clear_error():
+    config = SimpleNamespace(vocab_size=8, max_seq_len=8)
+    with pytest.raises(PPTError, match=r"config class SimpleNamespace: add `MODELS\[SimpleNamespace\] = <its model>`"):
+        build({}, config)
+    with pytest.raises(PPTError, match="^Linear has no config, init_weights, param_roles, which the model contract"):
+        build({SimpleNamespace: lambda config: nn.Linear(1, 1)}, config)
 
 
 # ---- the forward -----------------------------------------------------------------------------------------------------
@@ -235,6 +248,57 @@ def test_the_forward_runs_on_meta_so_flops_are_traced_and_its_mixers_counted_by_
     assert cost(model, batch_size=1, seq_len=16, formulas=formulas).params_matmul > 0
     rule = comparison_flops_rule(model, 16, formulas)
     assert rule.untraced is None and rule.mixers and not rule.dense, rule.warning()
+
+
+# ---- token mixers: the reach they declare against the positions a forward uses ---------------------------------------
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_token_mixers_declare_at_least_the_reach_their_forward_uses(name):
+    assert reach_errors(fresh(name), ModelFile.of(ppt.model).op_formulas.pairs) == []
+
+
+class Mixer(nn.Module):
+    """A fork's token mixer: attention over a band of `window` keys (SDPA with a mask, which the trace cannot read,
+    so it declares), or with no window a running sum over the prefix (a recurrence)."""
+
+    def __init__(self, reach: float, window: int | None) -> None:
+        super().__init__()
+        self.reach, self.window = reach, window
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        declare_token_mixer([(64, self.reach)])
+        if self.window is None:
+            return x.cumsum(1)
+        lag = torch.arange(x.shape[1])[:, None] - torch.arange(x.shape[1])
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=(lag >= 0) & (lag < self.window))
+
+
+class MixerLM(Mixer):
+    """A fork's model: the mixer between a tied embedding and head, as a submodule or in the model's own forward."""
+
+    def __init__(self, reach: float, window: int | None, inline: bool) -> None:
+        super().__init__(reach, window)
+        self.config = SimpleNamespace(vocab_size=64, max_seq_len=32)
+        self.embed, self.mixer = nn.Embedding(64, 16), None if inline else Mixer(reach, window)
+
+    def forward(self, idx, targets=None, doc_pos=None, reduction="mean"):
+        x = self.embed(idx)
+        return F.linear(super().forward(x) if self.mixer is None else self.mixer(x), self.embed.weight)
+
+
+@pytest.mark.parametrize("inline", [False, True])
+@pytest.mark.parametrize(
+    "reach, window, error",
+    [(16, 16, None), (math.inf, 16, None), (1, None, None),  # reach 1 over the whole prefix: a recurrence
+     (1, 16, "declares a reach of 1 but its output at position 15 changes with its input at position 0: declare a "
+             "reach of at least 16"),
+     (15, 16, "declares a reach of 15 but its output at position 15 changes with its input at position 0")],
+)  # fmt: skip
+def test_a_reach_shorter_than_the_forward_uses_fails_naming_the_reach_it_needs(reach, window, error, inline):
+    errors = reach_errors(MixerLM(reach, window, inline), {})
+    where = "the model " if inline else "mixer "  # token ids changed, or the mixer's input activations
+    assert errors == [] if error is None else errors[0].startswith(where + error) and len(errors) == 1, errors
 
 
 # ---- discovery -------------------------------------------------------------------------------------------------------

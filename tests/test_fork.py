@@ -12,7 +12,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FORKED_ENTRY_POINTS = """
 
+from ppt.contract import build
+
 DEFAULT_CONFIG = "forked-tiny"
+MODELS = {ForkedConfig: Forked}
 
 
 def get_config(name: str | None = None, depth: int | None = None) -> ForkedConfig:
@@ -22,7 +25,7 @@ def get_config(name: str | None = None, depth: int | None = None) -> ForkedConfi
 
 
 def build_model(config: ForkedConfig) -> nn.Module:
-    return Forked(config)
+    return build(MODELS, config)
 """
 
 

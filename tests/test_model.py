@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from architectures import reach_errors
 from test_comparison_flops import brute_force, matmul_params, random_doc_pos, run_argv, step_rows
 
 import ppt.model
@@ -377,6 +378,22 @@ def test_multiscreen_counts_in_window_in_document_pairs_at_the_windows_current_v
     assert rule.refreshed(model, OP_FORMULAS) == moved  # the training loop's refresh: the first trace replayed
     loaded = ComparisonFlops.from_state_dict(json.loads(json.dumps(moved.state_dict())))  # checkpoints
     assert loaded == moved and loaded.refreshed(model, OP_FORMULAS) == moved  # no trace to replay: a new one
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_screening_declares_the_keys_its_forward_uses_at_learned_windows():
+    """The pair formula's reach, ceil(w) per head, against the positions a forward uses (tests/architectures.py), at
+    windows learned below the measured row of 32: it holds, and one key fewer fails in every layer."""
+    model = widely_connected("multiscreen-tiny")
+    with torch.no_grad():
+        for block in model.blocks:
+            block.s_w.copy_(torch.linspace(0.0, math.log(12), model.config.n_head))  # windows 2 to 13
+    assert reach_errors(model, OP_FORMULAS.pairs) == []
+    one_short = {
+        op: lambda *args, f=f: [(c, reach - 1) for c, reach in f(*args)] for op, f in OP_FORMULAS.pairs.items()
+    }
+    errors = reach_errors(model, one_short)
+    assert len(errors) == len(model.blocks) and all("declare a reach of at least 13" in e for e in errors), errors
 
 
 @pytest.mark.usefixtures("one_thread")

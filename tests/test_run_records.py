@@ -4,6 +4,8 @@ resolve as documented, and wandb continues one run across a resume and base_eval
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -18,7 +20,7 @@ from ppt import checkpoint as ckpt
 from ppt.common import PPTError
 from ppt.comparison_flops import ComparisonFlops
 from ppt.data import DataLoader
-from ppt.run import RunRecord, plot_losses
+from ppt.run import REPO_ROOT, RunRecord, model_source, plot_losses
 from scripts import base_eval, base_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -59,6 +61,7 @@ def test_the_manifest_records_the_run_and_relaunches_it(demo_data_dir, tmp_path,
         assert {"val_nll", "val_bpb", "tokens", "comparison_flops", "wall_time_s", "eval_tokens"} <= set(entry)
         assert entry["tokens"] == 128 * entry["step"] and entry["eval_tokens"] == 64
     assert 0 < data["evals"][0]["wall_time_s"] < data["final_val"]["wall_time_s"] and "finished" in data
+    assert data["model_source"] == model_source()  # with the source itself unless git vouches for it
     steps = [h for h in data["history"] if "loss" in h]
     assert all(h["grad_norm"] > 0 and h["max_rss_gb"] > 0 and "comparison_flops" in h for h in steps)
     assert "step      2/4 (50.0%) | loss " in log and "| grad " in log and "| mem " in log and "elapsed, eta" in log
@@ -228,3 +231,32 @@ def test_the_record_round_trips_and_a_format_1_manifest_converts(tmp_path):
     (tmp_path / "cut.json").write_text(json.dumps({k: v for k, v in record.to_dict().items() if k != "params"}))
     with pytest.raises(PPTError, match="not a complete format-2 run record"):
         RunRecord.load(tmp_path / "cut.json")
+
+
+def test_the_record_keeps_the_model_source_git_cannot_vouch_for_and_it_rebuilds_the_same_files(tmp_path):
+    """A fork's normal state, an uncommitted model.py: its record holds the text of model.py and the kernels, and
+    that text alone, written out, is the same source (sha256). A tree whose model files are the commit's keeps the
+    hash alone, whatever else is dirty; one without git keeps the text."""
+    tree = tmp_path / "fork"
+    shutil.copytree(REPO_ROOT / "ppt", tree / "ppt", ignore=shutil.ignore_patterns("__pycache__"))
+    no_git = model_source(tree)
+    assert set(no_git["source"]) == set(no_git["files"]) and "ppt/model.py" in no_git["files"]
+    git = ["git", "-c", "user.name=ppt", "-c", "user.email=ppt@localhost"]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "the template"]):
+        subprocess.run(git + command, cwd=tree, check=True, capture_output=True)
+    (tree / "ppt" / "optim.py").write_text("# a fixed module edited: not the model's source\n")
+    assert model_source(tree) == {k: v for k, v in no_git.items() if k != "source"}
+
+    with (tree / "ppt" / "model.py").open("a") as f:
+        f.write("\n# a fork's edit\n")
+    (tree / "ppt" / "kernels" / "new_mixer.py").write_text("# a new kernel, untracked\n")
+    edited = model_source(tree)
+    assert edited["sha256"] != no_git["sha256"] and set(edited["source"]) == set(edited["files"])
+    assert edited["source"]["ppt/kernels/new_mixer.py"] == "# a new kernel, untracked\n"
+
+    record = RunRecord.load(write_manifest(tmp_path, "fork-run", 1.0, model_source=edited))  # through JSON
+    rebuilt = tmp_path / "rebuilt"
+    for name, text in record.model_source["source"].items():
+        (rebuilt / name).parent.mkdir(parents=True, exist_ok=True)
+        (rebuilt / name).write_bytes(text.encode())
+    assert model_source(rebuilt)["sha256"] == edited["sha256"]

@@ -86,11 +86,8 @@ class ValueDependentGPT2(third_arch.GPT2):
 def test_a_forward_that_cannot_run_on_meta_trains_with_one_warning_and_no_mfu(
     runs, demo_data_dir, tmp_path, capsys, monkeypatch
 ):
-    build = ppt.model.build_model
     monkeypatch.setitem(ppt.model.CONFIGS, "value-dependent", ValueDependentConfig())
-    monkeypatch.setattr(
-        base_train, "build_model", lambda c: ValueDependentGPT2(c) if isinstance(c, ValueDependentConfig) else build(c)
-    )
+    monkeypatch.setitem(ppt.model.MODELS, ValueDependentConfig, ValueDependentGPT2)
     trained = train(demo_data_dir, tmp_path / "value-dependent", "value-dependent")
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, warnings

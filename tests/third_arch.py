@@ -3,7 +3,7 @@ decoder (pre-norm LayerNorm with biases, GELU MLP, learned positions indexed by 
 contract of SPEC.md alone. It imports nothing of model.py, so it stays whatever a fork does there, and the tests of
 fixed code take their model from it (`build`): they pass on any model.py that honours the contract.
 
-`register(ppt.model)` adds its configs to CONFIGS and its class to build_model, the two edits model.py would get.
+`register(ppt.model)` adds its configs to CONFIGS and its class to MODELS, the two edits model.py would get.
 conftest.py registers it for the whole test run, so every test that discovers the architectures of model.py
 runs on it too (test_contract.py counts them); test_ddp.py's workers register it in their own processes.
 
@@ -121,13 +121,6 @@ def build(seed: int = 0, **fields: object) -> GPT2:
 
 
 def register(model_file: ModuleType) -> None:
-    """Add this architecture to a model file: its configs to CONFIGS, its class to build_model."""
-    if "gpt2-tiny" in model_file.CONFIGS:
-        return
-    shipped = model_file.build_model
-
-    def build_model(config: object) -> nn.Module:
-        return GPT2(config) if isinstance(config, GPT2Config) else shipped(config)
-
+    """Add this architecture to a model file as a fork adds one: its configs to CONFIGS, its class to MODELS."""
     model_file.CONFIGS.update(CONFIGS)
-    model_file.build_model = build_model
+    model_file.MODELS[GPT2Config] = GPT2
