@@ -203,6 +203,20 @@ def write(forecast: Forecast, path: Path) -> None:
         f.write(json.dumps(body | {"sha256": _digest(body)}, indent=1).encode())
 
 
+def read(path: Path) -> tuple[Forecast, str]:
+    """The forecast `write` recorded at `path`, and when it was written."""
+    try:
+        record = json.loads(Path(path).read_text())
+        f = record["forecast"]
+        estimates = {key: {a: Estimate(e["value"], e["interval"] and tuple(e["interval"])) for a, e in f[key].items()}
+                     for key in ("loss", "k")}  # fmt: skip
+        laws = {arch: Law(**law) for arch, law in f["laws"].items()}
+        return Forecast(f["budget"], f["baseline"], f["seeds"], f["fit_budgets"], laws, **estimates), record["written"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PPTError(f"{path} is not a forecast `ppt.forecast.write` made ({exc!r}); delete it to write another "
+                       "before the runs it predicts start") from exc  # fmt: skip
+
+
 def why_not_preregistered(path: Path, started: str) -> str | None:
     """Why the forecast at `path` cannot count as written before the runs it predicts started at `started` (the
     earliest `started` of their run records), or None when nothing says so."""

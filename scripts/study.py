@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from ppt import frontier
+from ppt import forecast, frontier
 from ppt.baselines import NGRAM_MARGIN, in_ngram_regime, ngram_bpb, order_name
 from ppt.common import ArgumentParser, PPTError, atomic_file, few, nonneg_int, positive_float, positive_int, run_cli
 from ppt.formatting import duration
@@ -80,6 +80,7 @@ GRID_KEYS = ("name", "data_dir", "seeds", "budgets", "baseline", "sizes_per_budg
 RUNS_PER_GPU = 4
 MAX_EXTENSIONS = 3  # rates added past either end of a sweep
 RATE_CHECK = 5  # a size's rate is checked at a budget this many times the FLOPs of the one it was swept at
+FORECAST_BUDGETS = 3  # from this many budgets the top one is predicted from the others before its runs start
 STATUS_EVERY = 180  # seconds between status lines off a terminal
 WAIT_S = 2.0  # how long the study waits for a run to end before it looks at signals and the deadline again
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -274,6 +275,8 @@ class Study:
         self.data_fingerprint: str | None = None  # of the data's tokens (ppt.shards), filled by measure_sizes
         self.decisions: dict[str, Any] = {"rates": {}, "rate_at": {}, "sizes": {}, "baselines": {}}
         self.finished: dict[Run, RunRecord] = {}  # records of finished runs, read once
+        self.forecast_path = out / "forecast.json"  # the top budget predicted before its runs start
+        self.awaiting_forecast = False  # set by plan: every budget below the top is done, the forecast is due
         # the runs' records register in the study's directory (<out>/reports), not in the user's cache: run names
         # are the study's, and another study of the same grid elsewhere has runs of the same names
         self.run_env = {"PPT_CACHE": str(out.resolve())}
@@ -359,7 +362,11 @@ class Study:
         """Every run the finished ones call for now, unfinished first, smaller budgets first (a study stopped midway
         has whole frontiers at its smaller budgets)."""
         todo: list[Run] = []
+        self.awaiting_forecast = False
         for budget in self.grid.budgets:
+            if budget == self.grid.budgets[-1] and self.holds_top_budget():
+                self.awaiting_forecast = all(self.loss(r) is not None for r in todo)
+                break
             for arch in self.grid.archs:
                 sizes, waiting = self.sizes_at(arch, budget)
                 todo += waiting
@@ -367,6 +374,13 @@ class Study:
             if budget == self.grid.budgets[0]:
                 todo += self.floor_runs()
         return list(dict.fromkeys(r for r in todo if self.loss(r) is None))
+
+    def holds_top_budget(self) -> bool:
+        """Whether the top budget waits for its forecast: a grid of FORECAST_BUDGETS budgets or more whose
+        forecast is not written and none of whose top-budget runs has started (then it can only be a retrodiction)."""
+        top = f"-f{self.grid.budgets[-1]:.3g}-"
+        started = any(top in path.name for path in (self.out / "runs").glob("*"))
+        return len(self.grid.budgets) >= FORECAST_BUDGETS and not self.forecast_path.exists() and not started
 
     def sizes_at(self, arch: Arch, budget: float) -> tuple[list[str], list[Run]]:
         """The sizes trained at a budget and the runs still needed to decide them: the prior's neighbourhood, then
@@ -442,15 +456,19 @@ class Study:
         swept_at = self.first_budget(arch, size, budget)
         lr, sweep = self.rate(arch, size, swept_at, arch.lrs, f"{arch.name} {size}")
         step = arch.lrs[1] / arch.lrs[0] if len(arch.lrs) > 1 else None
+        cell = f"{arch.name} {size} {budget:.3g}"
         for later in self.grid.budgets:
             if lr is None or step is None or not swept_at < later <= budget or later < RATE_CHECK * swept_at:
                 continue
             if later == budget or size in self.decided_sizes(arch, later):
                 start = [_round(lr / step), lr, _round(lr * step)]
-                lr, sweep = self.rate(arch, size, later, start, f"{arch.name} {size} at {later:.3g}")
-                swept_at = later
+                checked, sweep = self.rate(arch, size, later, start, f"{arch.name} {size} at {later:.3g}")
+                if checked is None:  # the check has runs left: the rate so far, marked (a report of what there is)
+                    self.decisions["rate_at"][cell] = {"lr": lr, "swept_at": swept_at, "check_pending_at": later}
+                    return None, sweep
+                lr, swept_at = checked, later
         if lr is not None:
-            self.decisions["rate_at"][f"{arch.name} {size} {budget:.3g}"] = {"lr": lr, "swept_at": swept_at}
+            self.decisions["rate_at"][cell] = {"lr": lr, "swept_at": swept_at}
         return lr, sweep
 
     def rate(
@@ -502,7 +520,8 @@ class Study:
         return Run(arch.name, size, budget, rate["lr"], self.grid.seeds[0]) if rate else None
 
     def grid_runs(self) -> list[Run]:
-        """The runs the verdict reads: every seed of every size trained at each budget, at the size's rate."""
+        """The runs the verdict reads: every seed of every size trained at each budget, at the size's rate there
+        (a rate whose check has runs left: the rate so far)."""
         runs = []
         for arch in self.grid.archs:
             for budget in self.grid.budgets:
@@ -611,6 +630,9 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
                 running[run] = job = launcher.start(run.name, study.argv(run), study.log(run), study.run_env)
                 attempts[run] = attempts.get(run, 0) + 1
                 progress.started(run, job)
+            if not running and study.awaiting_forecast and not (signals or out_of_time):
+                write_forecast(study)
+                continue
             if not running:
                 break
             progress.status(running, [r for r in queued if r not in running])
@@ -636,6 +658,15 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
             print(f"- {run.name}: {outcome}", flush=True)
         return "failed"
     return "deadline" if study.plan() else "complete"
+
+
+def write_forecast(study: Study) -> None:
+    """Every budget below the top is done: its frontiers predict the top budget (ppt/forecast.py), written once into
+    <out>/forecast.json before any of its runs starts."""
+    top = study.grid.budgets[-1]
+    predicted = forecast.predict([r for r in run_results(study) if r.budget < top], study.grid.baseline, top)
+    forecast.write(predicted, study.forecast_path)
+    print(f"forecast, before the {top:.3g} runs start ({study.forecast_path}):\n{forecast.markdown(predicted)}")
 
 
 def outcome_of(study: Study, run: Run, code: int | None, asked_to_stop: bool) -> str:
@@ -714,6 +745,27 @@ def floor_text(study: Study) -> str:
     a, b = (study.record(runs[v]).final_val.val_bpb for v in ("-nondet1", "-nondet2"))
     lines.append(f"- two runs without --deterministic: {a:.6f} and {b:.6f} (|difference| {abs(a - b):.6f} bpb)")
     return "\n".join(lines)
+
+
+def forecast_text(study: Study, results: list[frontier.RunResult], verdict: frontier.Verdict) -> list[str]:
+    """The forecast of the top budget against its measurement, and whether it was written before its runs started;
+    without one, a retrodiction from the same records, labelled so."""
+    top = study.grid.budgets[-1]
+    if len(study.grid.budgets) < FORECAST_BUDGETS:
+        return []
+    if not study.forecast_path.exists():
+        predicted = forecast.predict(results, study.grid.baseline, top)
+        return [
+            "### Retrodiction, not a prediction\n",
+            "No forecast was written before the top budget's runs "
+            "started; this one is fitted after them, on the same records.\n",
+            forecast.markdown(predicted, verdict),
+        ]
+    predicted, written = forecast.read(study.forecast_path)
+    started = min(study.record(r).started for r in study.grid_runs() if r.budget == top)
+    why = forecast.why_not_preregistered(study.forecast_path, started)
+    said = f"NOT pre-registered: {why}" if why else f"pre-registered: written {written}, before the runs started"
+    return [f"### The forecast of {top:.3g}, {said}\n", forecast.markdown(predicted, verdict)]
 
 
 def budget_settings(study: Study, budget: float) -> list[compare.Setting]:
@@ -813,6 +865,7 @@ def write_results(study: Study, grid_path: Path) -> str:
         f"across them runs have moved by up to {CROSS_MACHINE_FLOOR:g} bpb)\n",
         frontier.robustness_markdown(rows),
         frontier.markdown(verdict),
+        *forecast_text(study, results, verdict),
         timed + "\n",
         *edge_notes(study, tables),
         "",
@@ -833,6 +886,17 @@ def write_results(study: Study, grid_path: Path) -> str:
     for key, rate in study.decisions["rates"].items():
         sweep = ", ".join(f"{float(lr):g}: {x:.4f}" for lr, x in rate["sweep"].items())
         text.append(f"| {key} | {rate['swept_at']:.3g} | {sweep} | {rate['lr']:g}{' (at an edge)' * rate['at_edge']} |")
+    text += [
+        "",
+        "Each cell's rate and where it was chosen (checked at a budget 5x or more its sweep's FLOPs):",
+        "",
+        "| architecture size | budget | rate | chosen at |",
+        "|---|---|---|---|",
+    ]
+    for cell, rate in study.decisions["rate_at"].items():
+        *name, budget = cell.split()
+        pending = f"; its check at {rate['check_pending_at']:.3g} has runs left" if "check_pending_at" in rate else ""
+        text.append(f"| {' '.join(name)} | {budget} | {rate['lr']:g} | {rate['swept_at']:.3g}{pending} |")
     text += ["", floor_text(study), ""]
     for budget, settings in tables.items():
         table = compare.table(settings, best_setting(settings, grid.baseline), [], models, times=False)
@@ -846,12 +910,12 @@ def study_main(args: argparse.Namespace) -> int:
     grid.data_dir = args.data_dir or grid.data_dir
     out = args.out or Path("runs") / grid.name
     study = Study(grid, out, not args.no_deterministic)
-    if args.report:
-        study.restore()
-    elif not (grid.data_dir / "meta.json").is_file():
-        raise PPTError(f"data_dir {grid.data_dir} holds no prepared shards (no meta.json); prepare it first")
-    else:
+    if (grid.data_dir / "meta.json").is_file():
         study.measure_sizes()
+    elif args.report:
+        study.restore()  # what the data says, from study.json
+    else:
+        raise PPTError(f"data_dir {grid.data_dir} holds no prepared shards (no meta.json); prepare it first")
     if args.dry_run:
         runs = study.plan()
         for run in runs:
@@ -862,11 +926,14 @@ def study_main(args: argparse.Namespace) -> int:
             f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} as "
             f"the finished runs time them{unknown}"
         )
+        if study.awaiting_forecast:
+            print(f"the budgets below {grid.budgets[-1]:.3g} are done: the study writes the forecast next, then "
+                  "trains the top budget")  # fmt: skip
         return 0
     if args.report:
         if missing := [run.name for run in study.plan()]:
-            raise PPTError(f"{len(missing)} runs the results need have not finished in {out} ({few(missing)}): train "
-                           "them (the same command without --report), then report")  # fmt: skip
+            print(f"warning: {len(missing)} runs the plan calls for have not run in {out} ({few(missing)}); the "
+                  "results say what the finished runs say (train them: the same command without --report)")  # fmt: skip
         print(write_results(study, args.grid))
         return 0
     launcher = make_launcher(args, grid, out)
@@ -920,8 +987,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the runs called for next and their time; run nothing")
     p.add_argument("--deadline", type=positive_float, help="seconds: start no run that would end later, stop those "
                    "still going then (each with a checkpoint)")  # fmt: skip
-    p.add_argument("--report", action="store_true", help="write results.md again from the records and study.json "
-                   "alone: no prepared data needed, nothing trained")  # fmt: skip
+    p.add_argument("--report", action="store_true", help="write results.md from the runs finished so far, training "
+                   "nothing (without the prepared data: from the records and study.json alone)")  # fmt: skip
     p.add_argument("--time", type=positive_int, metavar="N", help="after the runs: time each size N times alone on a "
                    "GPU (--benchmark, sizes interleaved) for the verdict's GPU-seconds; then the results")  # fmt: skip
     g = p.add_argument_group("where the runs train")

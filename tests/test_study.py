@@ -87,6 +87,20 @@ def test_a_rate_is_checked_where_it_is_used_far_from_its_sweep_and_swept_again_i
     assert not [key for key in planned(table_grid([3e-3]), lambda run: 1.0).decisions["rates"] if " at " in key]
 
 
+def test_the_top_budget_waits_until_its_forecast_is_written(tmp_path):
+    """From 3 budgets on, the top one is predicted from the others before any of its runs starts: the plan holds it
+    back until the lower budgets are done and forecast.json exists."""
+    grid = replace(table_grid([1e-3]), budgets=[1e12, 1e13, 1e14])
+    s = study.Study(grid, tmp_path, deterministic=True)
+    s.params, s.min_tokens = {size: 10 ** (int(size[1:]) + 4) for a in grid.archs for size in a.sizes}, {"a": 1, "b": 1}
+    s.loss = lambda run: None if run.budget == 1e13 else 1.0
+    assert {run.budget for run in s.plan()} == {1e13} and not s.awaiting_forecast  # 1e13 still training, 1e14 waits
+    s.loss = lambda run: None if run.budget == 1e14 else 1.0
+    assert s.plan() == [] and s.awaiting_forecast  # the lower budgets done: the forecast is due
+    s.forecast_path.write_text("{}")
+    assert {run.budget for run in s.plan()} == {1e14} and not s.awaiting_forecast
+
+
 def test_sizes_start_at_the_prior_and_grow_past_a_best_at_an_edge():
     # sizes have 1e4 .. 1e9 parameters; at 1e12 FLOPs the prior (20 tokens a parameter) is sqrt(1e12 / 120) = 9.1e4
     s = planned(table_grid([1e-3]), lambda run: 1.0)  # flat losses: the first best is the smallest, an edge
