@@ -63,7 +63,18 @@ import torch
 
 from ppt import forecast, frontier
 from ppt.baselines import NGRAM_MARGIN, in_ngram_regime, ngram_bpb, order_name
-from ppt.common import ArgumentParser, PPTError, atomic_file, few, nonneg_int, positive_float, positive_int, run_cli
+from ppt.common import (
+    ArgumentParser,
+    PPTError,
+    atomic_file,
+    checked_device,
+    few,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    run_cli,
+    run_tag,
+)
 from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
 from ppt.run import RunRecord, git_state, hardware
@@ -156,6 +167,12 @@ def _numbers(path: Path, table: dict, key: str, kind: type, default: object = No
     return [kind(v) for v in values]
 
 
+def _number(path: Path, table: dict, key: str, kind: type, default: float) -> float:
+    if isinstance(table.get(key), list):
+        raise _fail(path, f"`{key}` takes one number, got the list {table[key]!r}")
+    return _numbers(path, table, key, kind, default)[0]
+
+
 def _flags(path: Path, value: object, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
         raise _fail(path, f"{where} must be a list of strings (base_train flags), got {value!r}")
@@ -189,41 +206,57 @@ def load_grid(path: Path) -> Grid:
         raise PPTError(f"{path} is not valid TOML ({exc}); fix the line it names") from exc
     if unknown := set(raw) - set(GRID_KEYS):
         raise _fail(path, f"unknown keys {sorted(unknown)}; see `python -m scripts.study --help`")
-    if "data_dir" not in raw:
-        raise _fail(path, "`data_dir` is missing: the prepared shards every run reads")
+    if not isinstance(raw.get("data_dir"), str):
+        raise _fail(path, f"`data_dir` must be the path of the prepared shards every run reads, as a string; got "
+                          f"{raw.get('data_dir', 'none')!r}")  # fmt: skip
+    name = raw.get("name", Path(path).stem)
+    try:
+        run_tag(f"{name}-x")  # it starts every run's name
+    except (argparse.ArgumentTypeError, TypeError):
+        raise _fail(path, f"`name` {name!r} cannot start run names: give letters, digits, '.', '_' or '-'") from None
     archs_raw = raw.get("arch")
     if not isinstance(archs_raw, dict) or len(archs_raw) < 2:
         raise _fail(path, "a study compares at least two architectures: add [arch.NAME] tables with `sizes` and `lrs`")
     archs = []
-    for name, table in archs_raw.items():
+    for arch_name, table in archs_raw.items():
         if not isinstance(table, dict) or set(table) - {"sizes", "lrs", "args"}:
-            raise _fail(path, f"[arch.{name}] takes `sizes`, `lrs` and `args`, got {table!r}")
+            raise _fail(path, f"[arch.{arch_name}] takes `sizes`, `lrs` and `args`, got {table!r}")
         sizes = table.get("sizes")
         if not isinstance(sizes, list) or len(sizes) < 3 or not all(isinstance(s, str) for s in sizes):
-            raise _fail(path, f"[arch.{name}] `sizes` must list at least 3 config names, smallest first")
+            raise _fail(path, f"[arch.{arch_name}] `sizes` must list at least 3 config names, smallest first")
+        if len(set(sizes)) < len(sizes):
+            raise _fail(path, f"[arch.{arch_name}] `sizes` names a size twice ({sizes}); give each once")
         lrs = _numbers(path, table, "lrs", float)
-        archs.append(Arch(name, sizes, lrs, _flags(path, table.get("args", []), f"[arch.{name}] args")))
+        archs.append(Arch(arch_name, sizes, lrs, _flags(path, table.get("args", []), f"[arch.{arch_name}] args")))
     baseline = raw.get("baseline", archs[0].name)
     if baseline not in archs_raw:
         raise _fail(path, f"baseline {baseline!r} is not an [arch.*] table; use one of {', '.join(archs_raw)}")
     grid = Grid(
-        name=str(raw.get("name", Path(path).stem)),
+        name=name,
         data_dir=Path(raw["data_dir"]).expanduser(),
         seeds=_numbers(path, raw, "seeds", int, [0, 1, 2]),
         budgets=sorted(_numbers(path, raw, "budgets", float)),
         baseline=baseline,
         archs=archs,
         args=_flags(path, raw.get("args", []), "args"),
-        sizes_per_budget=_numbers(path, raw, "sizes_per_budget", int, 3)[0],
-        tokens_per_param=_numbers(path, raw, "tokens_per_param", float, 20.0)[0],
-        max_epochs=_numbers(path, raw, "max_epochs", float, 4.0)[0],
+        sizes_per_budget=_number(path, raw, "sizes_per_budget", int, 3),
+        tokens_per_param=_number(path, raw, "tokens_per_param", float, 20.0),
+        max_epochs=_number(path, raw, "max_epochs", float, 4.0),
         slurm=_slurm_settings(path, raw.get("slurm", {})),
     )
     if grid.sizes_per_budget < 3:
         raise _fail(path, "`sizes_per_budget` must be at least 3: a parabola through fewer sizes has no minimum")
-    for arch in archs:
-        for size in arch.sizes:
-            _check_argv(path, grid, Run(arch.name, size, grid.budgets[0], arch.lrs[0], grid.seeds[0]))
+    if len(grid.budgets) < 2:
+        raise _fail(path, f"`budgets` has {len(grid.budgets)}: a frontier joins optima at 2 budgets or more; add one")
+    shared = [size for i, a in enumerate(archs) for b in archs[i + 1 :] for size in a.sizes if size in b.sizes]
+    if shared:  # their runs would share run directories
+        raise _fail(path, f"[arch.*] tables share sizes {shared}: each size belongs to one architecture; an ablation "
+                          "of one config through `args` needs a config name of its own in ppt/model.py")  # fmt: skip
+    for arch in archs:  # what base_train's parser refuses, found now: each size, and each seed at each budget
+        runs = [Run(arch.name, size, grid.budgets[0], arch.lrs[0], grid.seeds[0]) for size in arch.sizes]
+        runs += [Run(arch.name, arch.sizes[0], b, arch.lrs[0], seed) for seed in grid.seeds for b in grid.budgets]
+        for run in runs:
+            _check_argv(path, grid, run)
     return grid
 
 
@@ -438,10 +471,9 @@ class Study:
         ranked = sorted(self.allowed_sizes(arch, budget), key=lambda s: abs(math.log(self.params[s]) - target))
         chosen = set(ranked[: self.grid.sizes_per_budget])
         if len(chosen) < self.grid.sizes_per_budget:
-            raise PPTError(
-                f"{arch.name} has {len(chosen)} sizes that read at most {self.grid.max_epochs:g} epochs at "
-                f"{budget:.3g} FLOPs, fewer than sizes_per_budget: add larger sizes or lower the budget"
-            )
+            why = [f"{s} {self.why_not(arch, s, budget)}" for s in arch.sizes if s not in chosen]
+            raise PPTError(f"{arch.name} has {len(chosen)} sizes it can train at {budget:.3g} FLOPs, fewer than "
+                           f"sizes_per_budget ({few(why)}): change the sizes or the budget")  # fmt: skip
         return [s for s in arch.sizes if s in chosen]
 
     def first_budget(self, arch: Arch, size: str, budget: float) -> float:
@@ -540,12 +572,21 @@ class Study:
         self.data_fingerprint = dataset_fingerprint(self.grid.data_dir)
         for arch in self.grid.archs:
             flags = base_train.parse_args(self.argv(Run(arch.name, arch.sizes[0], 1.0, 1.0, 0)))
+            if flags.device:  # refused here, not by every run
+                checked_device(flags.device)
             self.min_tokens[arch.name] = max(flags.total_batch_tokens or base_train.TOTAL_BATCH_TOKENS,
                                              flags.warmup_tokens or 0)  # fmt: skip
             for size in arch.sizes:
+                config = replace(get_config(size), vocab_size=vocab)
+                if flags.seq_len and flags.seq_len > config.max_seq_len:
+                    raise PPTError(f"{size} takes rows of at most {config.max_seq_len} tokens, and the grid's runs "
+                                   f"get --seq-len {flags.seq_len}: lower it, or drop {size}")  # fmt: skip
                 with torch.device("meta"):
-                    model = build_model(replace(get_config(size), vocab_size=vocab))
+                    model = build_model(config)
                 self.params[size] = sum(p.numel() for p in model.parameters())
+            if (params := [self.params[size] for size in arch.sizes]) != sorted(params):
+                raise PPTError(f"[arch.{arch.name}] sizes must go smallest first: {arch.sizes} have {params} "
+                               "parameters; reorder them")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -937,7 +978,11 @@ def study_main(args: argparse.Namespace) -> int:
         print(write_results(study, args.grid))
         return 0
     launcher = make_launcher(args, grid, out)
-    lock_directory(out, "wait for the study using it, or pass another --out")  # makes `out`, or says why it cannot
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PPTError(f"cannot write into {out} ({exc.strerror or exc}); pass another --out") from None
+    lock_directory(out, "wait for the study using it, or pass another --out")
     try:
         if args.time:
             if study.plan():

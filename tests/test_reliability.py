@@ -725,6 +725,20 @@ BAD_INPUT = [
     pytest.param("study", ["{work}/grid.toml", "--out", "{work}/a_file/study"], {},
                  r"cannot write into .*a_file/study \(Not a directory\); .*pass another --out$",
                  id="study-unwritable-out"),
+    pytest.param("study", ["{work}/one_budget.toml", "--dry-run"], {},
+                 r"one_budget\.toml: `budgets` has 1: a frontier joins optima at 2 budgets or more; add one$",
+                 id="study-one-budget"),
+    pytest.param("study", ["{work}/shared_sizes.toml", "--dry-run"], {},
+                 r"\[arch\.\*\] tables share sizes \['d3'\]: each size belongs to one architecture",
+                 id="study-shared-sizes"),
+    pytest.param("study", ["{work}/grid.toml", "--out", "{work}/s_gpus", "--gpus", "7"], {"CUDA_VISIBLE_DEVICES": ""},
+                 r"--gpus 7: GPU 7 is not one of the GPUs this machine shows \(none\); pass --gpus all",
+                 id="study-unknown-gpu"),
+    pytest.param("study", ["{work}/grid.toml", "--out", "{work}/s_k", "--runs-per-gpu", "99"], {},
+                 r"--runs-per-gpu 99 is out of range; pass 1 to 16$", id="study-absurd-runs-per-gpu"),
+    pytest.param("study", ["{work}/grid.toml", "--out", "{work}/s_slurm", "--launcher", "slurm"],
+                 {"PATH": "/nonexistent"}, r"--launcher slurm needs (submitit|Slurm's sbatch and squeue on PATH)",
+                 id="study-slurm-without-sbatch"),
     # base_train: said before anything is allocated
     pytest.param("base_train", [*TRAIN, "--weight-decay", "1e30"], {},
                  r"argument --weight-decay: '1e30' is not a finite number >= 0 and <= 1e6",
@@ -817,8 +831,11 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     weights["model.embed_tokens.weight"] = torch.cat([embed, torch.zeros_like(embed)])
     save_file(weights, str(wide / "model.safetensors"), metadata={"format": "pt"})
     (wide / "config.json").write_text(json.dumps(json.loads((wide / "config.json").read_text()) | {"vocab_size": 1024}))
-    arch = '\nsizes = ["d1", "d2", "d3"]\nlrs = [3e-3]\n'
-    (work / "grid.toml").write_text(f'data_dir = "{data}"\nbudgets = [1e9]\n[arch.a]{arch}[arch.b]{arch}')
+    archs = '[arch.a]\nsizes = ["d1", "d2", "d3"]\nlrs = [3e-3]\n[arch.b]\nsizes = ["d4", "d5", "d6"]\nlrs = [3e-3]\n'
+    (work / "grid.toml").write_text(f'data_dir = "{data}"\nbudgets = [1e9, 3e9]\n{archs}')
+    (work / "one_budget.toml").write_text(f'data_dir = "{data}"\nbudgets = [1e9]\n{archs}')
+    (work / "shared_sizes.toml").write_text(f'data_dir = "{data}"\nbudgets = [1e9, 3e9]\n{archs.replace("d4", "d3")}')
+    (work / "huge_seed.toml").write_text(f'data_dir = "{data}"\nbudgets = [1e9, 3e9]\nseeds = [0, 1e30]\n{archs}')
     batch128 = [*TRAIN, "--total-batch-tokens", "128", "--target-tokens", "512", "--eval-tokens", "64", "--tag", "b128"]
     with pytest.MonkeyPatch.context() as mp:  # a real checkpoint, its record in a cache of its own
         mp.setenv("PPT_CACHE", str(work / "batch128_cache"))

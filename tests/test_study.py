@@ -163,7 +163,11 @@ def test_a_size_below_one_step_is_not_trained_and_the_dry_run_says_so(tmp_path):
     # at 1e12 FLOPs a size of 1e6 parameters reads 1.7e5 tokens: out; 1e5 parameters, 1.7e6 tokens: in
     assert s.allowed_sizes(s.archs["a"], 1e12) == ["a0", "a1"]
     assert "166,667 tokens, less than one step and the warmup (200,000)" in s.why_not(s.archs["a"], "a2", 1e12)
-    with pytest.raises(PPTError, match="has 2 sizes that"):
+    with pytest.raises(
+        PPTError,
+        match=r"a has 2 sizes it can train at 1e\+12 FLOPs, fewer than sizes_per_budget \(a2 "
+        r"would read 166,667 tokens, less than one step",
+    ):
         s.plan()
 
 
@@ -348,12 +352,35 @@ def test_a_bad_out_is_refused_with_one_message_before_any_run(demo_home, tmp_pat
         (lambda g: g + "\n[slurm]\ntime_min = -1\n", "\\[slurm\\] time_min must be a non-negative integer"),
         # values base_train's parser refuses, found before any run starts
         (lambda g: g.replace('"--seq-len", "32"', '"--seq-len", "0"'), "--seq-len: '0' is not an integer >= 1"),
+        # problems a dry run used to pass and the runs refused, or that failed with a traceback or the wrong blame
+        (lambda g: g.replace("budgets = [5e9, 1.5e10]", "budgets = [5e9]"), "`budgets` has 1: a frontier joins"),
+        (lambda g: g.replace('"multiscreen-d6"', '"d3"'), r"tables share sizes \['d3'\]: each size belongs to one"),
+        (lambda g: g.replace('"d1", "d2"', '"d1", "d1"'), "names a size twice"),
+        (lambda g: g.replace('data_dir = "~/.cache/ppt/data/demo"', "data_dir = 5"), "`data_dir` must be the path"),
+        (lambda g: g.replace('name = "cpu"', 'name = "a/b"'), "`name` 'a/b' cannot start run names"),
+        (lambda g: "tokens_per_param = [20, 30]\n" + g, "`tokens_per_param` takes one number"),
     ],
 )
 def test_bad_grids_are_refused_with_one_message(tmp_path, edit, message):
     assert edit(GRID) != GRID  # the edit applies to today's cpu.toml
     with pytest.raises(PPTError, match=message):
         study.load_grid(write_grid(tmp_path, edit(GRID)))
+
+
+def test_what_the_runs_would_refuse_is_refused_by_the_dry_run(demo_home, tmp_path, monkeypatch):
+    """Sizes out of order, rows longer than a size takes, a device this machine lacks, a budget too small for one
+    step: refused before any run, by --dry-run too, each in one line."""
+    monkeypatch.setenv("HOME", str(demo_home))
+    edits = {('"d1", "d2", "d3", "d4"', '"d2", "d1", "d3", "d4"'): r"sizes must go smallest first",
+             ('"--seq-len", "32"', '"--seq-len", "100000"'): r"d1 takes rows of at most \d+ tokens, .*--seq-len 100000",
+             ('"--device", "cpu"', '"--device", "cuda"'): r"--device cuda: this machine has no cuda device",
+             ("budgets = [5e9, 1.5e10]", "budgets = [1e3, 1.5e10]"): r"less than one step and the warmup"}  # fmt: skip
+    for (old, new), message in edits.items():
+        if "cuda" in new and torch.cuda.is_available():
+            continue
+        with pytest.raises(PPTError, match=message):
+            study.main([str(write_grid(tmp_path, GRID.replace(old, new))), "--out", str(tmp_path / "o"), "--dry-run"])
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_second_study_on_the_same_out_is_refused(demo_home, tmp_path, monkeypatch):
