@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("grid", type=Path)
     p.add_argument("--records", type=Path, required=True, help="a finished study directory: its study.json decides")
-    p.add_argument("--budget", type=positive_float, required=True)
+    p.add_argument("--budget", type=positive_float, help="one of the grid's budgets (default its smallest)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds of each size (default 0)")
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--runs-per-gpu", default="1,2,3,4")
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     grid = load_grid(args.grid)
     grid.data_dir = args.data_dir
+    args.budget = args.budget or grid.budgets[0]
     decided = json.loads((args.records / "study.json").read_text())
     runs = [Run(arch.name, size, args.budget, decided["rates"][f"{arch.name} {size}"]["lr"], int(seed))
             for arch in grid.archs for size in decided["sizes"][f"{arch.name} {args.budget:.3g}"]
