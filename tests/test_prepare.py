@@ -215,7 +215,9 @@ def test_a_lost_shard_stops_training_and_the_rerun_of_prepare_rebuilds_it(tmp_pa
         raw[-20:-18] = (60_000).to_bytes(2, "little")
         lost.write_bytes(bytes(raw))
         loader = DataLoader(out, "train", 2, 16, vocab_size=300, prefetch=0)
-        with pytest.raises(PPTError, match=r"train_00001\.bin holds token id 60000, but the model's vocabulary has 300"):
+        with pytest.raises(
+            PPTError, match=r"train_00001\.bin holds token id 60000, but the model's vocabulary has 300"
+        ):
             for _ in range(loader.rows_per_rank):  # until a batch draws from the damaged shard
                 next(loader)
     else:
