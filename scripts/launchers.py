@@ -35,6 +35,9 @@ from scripts.slurm_job import REPO_ROOT, SlurmRun, run_env
 MAX_RUNS_PER_GPU = 16  # more small runs than this on one GPU only contend for its launch queue and memory
 SLURM_POLL_S = 15.0  # seconds between looks at squeue (a cluster's controller serves many users)
 PR_SET_PDEATHSIG = 1  # Linux prctl: the signal a process gets when its parent dies
+# What every run imports, once in the pool's server: base_train, torch._inductor (--deterministic imports it), and the
+# loss curve's plotting
+PRELOADED = ["scripts.base_train", "torch._inductor", "matplotlib.backends.backend_agg"]
 
 
 @dataclass
@@ -125,7 +128,7 @@ class LocalPool:
         self.device = "GPU" if gpus else "CPU"
         self.running: dict[int, tuple[Job, multiprocessing.Process]] = {}
         self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(["scripts.base_train", "torch._inductor"])  # --deterministic imports it
+        self.context.set_forkserver_preload(PRELOADED)
 
     def describe(self) -> str:
         gpus = sorted({slot for slot in self.free + [j.slot for j, _ in self.running.values()] if slot is not None})

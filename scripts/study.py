@@ -347,6 +347,12 @@ class Study:
             self.decisions["baselines"][key] = ngram_bpb(self.grid.data_dir, *map(int, key.split()))
         return self.decisions["baselines"][key]
 
+    def cell_order(self, key: str) -> tuple:
+        """Where a decision's key ("arch size", "arch size at budget", "arch size budget") sorts: the grid's order
+        of architectures and sizes, then budget (not the order the runs that decided it finished in)."""
+        arch, size, *budget = key.replace(" at ", " ").split()
+        return [a.name for a in self.grid.archs].index(arch), self.archs[arch].sizes.index(size), [*map(float, budget)]
+
     def speeds(self) -> dict[str, Any]:
         """What `--time` measured ({} before it has run)."""
         path = self.out / "speeds.json"
@@ -924,7 +930,7 @@ def write_results(study: Study, grid_path: Path) -> str:
         "",
         "## Learning rates\n\n| architecture size | swept at | val bpb by rate | chosen |\n|---|---|---|---|",
     ]
-    for key, rate in study.decisions["rates"].items():
+    for key, rate in sorted(study.decisions["rates"].items(), key=lambda item: study.cell_order(item[0])):
         sweep = ", ".join(f"{float(lr):g}: {x:.4f}" for lr, x in rate["sweep"].items())
         text.append(f"| {key} | {rate['swept_at']:.3g} | {sweep} | {rate['lr']:g}{' (at an edge)' * rate['at_edge']} |")
     text += [
@@ -934,7 +940,7 @@ def write_results(study: Study, grid_path: Path) -> str:
         "| architecture size | budget | rate | chosen at |",
         "|---|---|---|---|",
     ]
-    for cell, rate in study.decisions["rate_at"].items():
+    for cell, rate in sorted(study.decisions["rate_at"].items(), key=lambda item: study.cell_order(item[0])):
         *name, budget = cell.split()
         pending = f"; its check at {rate['check_pending_at']:.3g} has runs left" if "check_pending_at" in rate else ""
         text.append(f"| {' '.join(name)} | {budget} | {rate['lr']:g} | {rate['swept_at']:.3g}{pending} |")

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -211,11 +210,11 @@ def comparable(path: Path) -> dict:
     return clean(json.loads(path.read_text()))
 
 
-def assert_same_study(a: Path, b: Path, runs: int = CPU_RUNS) -> None:
+def assert_same_study(a: Path, b: Path) -> None:
     """The same runs, records equal but for times and hosts, and the same results.md but for its run-time line (both
     studies in runs/cpu of their working directories, as the README's command puts them)."""
     names = sorted(p.relative_to(a) for p in a.glob("runs/*/*.json"))
-    assert names == sorted(p.relative_to(b) for p in b.glob("runs/*/*.json")) and len(names) == runs
+    assert names == sorted(p.relative_to(b) for p in b.glob("runs/*/*.json")) and len(names) == CPU_RUNS
     for run in names:
         assert comparable(a / run) == comparable(b / run), run
 
@@ -252,27 +251,6 @@ def test_the_readme_study_trains_every_size_and_seed_and_states_a_verdict(cpu_st
     assert "bigram (train-split counts)" in results and "multiplier" in results.lower()
     assert (out / "frontier.png").stat().st_size > 1000
     assert list((out / "reports").glob("*.json")), "the runs register in the study's directory, not the user's cache"
-
-
-def test_two_runs_at_a_time_train_the_same_runs_bit_for_bit_and_a_run_that_dies_is_retried_then_reported(
-    cpu_study, demo_home, tmp_path, monkeypatch, capsys
-):
-    """Concurrency changes no decision: with 2 CPU slots the plan is recomputed whenever a run ends. A run killed
-    is retried once (resumed), a second death is reported with its last error line while the other runs go on, and
-    the rerun trains it: the same runs as one at a time, records equal but for times and hosts, the same results."""
-    monkeypatch.setenv("HOME", str(demo_home))
-    monkeypatch.chdir(tmp_path)
-    out, victim = tmp_path / "runs" / "cpu", "d3-f1.5e+10-lr0.003-s0"
-    killer = threading.Thread(target=kill_twice, args=(out, victim), daemon=True)
-    killer.start()
-    assert study.main([str(CPU_GRID), "--runs-per-gpu", "2"]) == 1
-    printed = capsys.readouterr().out
-    assert "end   d3 at 1.5e+10 FLOPs, seed 0, lr 0.003 on CPU: failed (killed)" in printed
-    assert "trying it once more, resumed" in printed and f"runs failed twice:\n- {victim}: failed (killed)" in printed
-    finished = {p.parent.name for p in out.glob("runs/*/*.json") if json.loads(p.read_text())["finished"]}
-    assert victim not in finished and len(finished) == CPU_RUNS - 1  # every other run of the study trained
-    assert study.main([str(CPU_GRID), "--runs-per-gpu", "2"]) == 0
-    assert_same_study(cpu_study, out)
 
 
 def test_rerun_trains_nothing_and_a_changed_grid_is_refused(cpu_study, demo_home, tmp_path, monkeypatch, capsys):
@@ -425,19 +403,19 @@ def test_a_deterministic_run_is_bitwise_the_same_packed_or_alone_on_the_gpu(demo
 # Faults: a run that dies, a study stopped by a signal or killed, and their reruns
 
 
-ONE_SEED = GRID.replace("seeds = [0, 1]", "seeds = [0]")  # the laptop study at one seed
+ONE_SEED = GRID.replace("seeds = [0, 1]", "seeds = [0]")  # the laptop study at one seed (its Slurm test)
 ONE_SEED_RUNS = 2 * 2 * 3 + 3
 
 
 def lock_pids(out: Path) -> dict[str, int]:
-    """The runs in flight under a study directory: run name -> the pid holding its lock."""
+    """The runs in flight under a study directory: run name -> the live pid holding its lock (a killed run's stays)."""
     pids = {}
     for lock in out.glob(f"runs/*/{locks.LOCK_NAME}"):
         try:
             pids[lock.parent.name] = json.loads(lock.read_text())["pid"]
         except (OSError, ValueError):
             pass  # released meanwhile
-    return pids
+    return {name: pid for name, pid in pids.items() if alive(pid)}
 
 
 def alive(pid: int) -> bool:
@@ -464,44 +442,52 @@ def kill_twice(out: Path, victim: str) -> None:
         os.kill(killed, signal.SIGKILL)
 
 
+VICTIM = "d1-f5e+09-lr0.003-s1"  # a run the interrupted study kills twice
+
+
 @pytest.fixture(scope="module")
-def one_seed_study(demo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    """The laptop study at one seed, two runs at a time, stopped once by SIGTERM and once by kill -9 of its process
-    group, each time started again; the pids of the runs that were in flight when it stopped."""
-    work = tmp_path_factory.mktemp("one_seed")
-    grid, out = write_grid(work, ONE_SEED), work / "runs" / "cpu"
+def interrupted_study(demo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], str]:
+    """The README's study two runs at a time, as a user's might go: a run dies twice, then the study is stopped by
+    SIGTERM; started again, it is killed with kill -9 of its process group; started again, it runs to the end. Its
+    directory, the runs in flight at each stop, and what the first start printed."""
+    work = tmp_path_factory.mktemp("interrupted")
+    out = work / "runs" / "cpu"
     env = {**os.environ, "HOME": str(demo_home), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "scripts.study", str(grid), "--runs-per-gpu", "2"]
-    stopped = []
+    command = [sys.executable, "-m", "scripts.study", str(CPU_GRID), "--runs-per-gpu", "2"]
+    stopped, printed = [], ""
     for how in ("SIGTERM", "kill -9", None):
-        study_process = subprocess.Popen(command, cwd=work, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        process = subprocess.Popen(command, cwd=work, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)  # fmt: skip
         if how is None:
-            assert study_process.wait(timeout=600) == 0, study_process.stdout.read()[-3000:]
+            assert process.wait(timeout=600) == 0, process.stdout.read()[-3000:]
             break
-        runs = wait_for(lambda: len(pids := lock_pids(out)) == 2 and pids)
         if how == "SIGTERM":
-            study_process.send_signal(signal.SIGTERM)
-            assert study_process.wait(timeout=120) == 128 + signal.SIGINT
-            assert "stopped: " in study_process.stdout.read()
+            kill_twice(out, VICTIM)
+        stopped.append(wait_for(lambda: len(pids := lock_pids(out)) == 2 and pids))
+        if how == "SIGTERM":
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=120) == 128 + signal.SIGINT
+            printed = process.stdout.read()
         else:
-            os.killpg(study_process.pid, signal.SIGKILL)
-            study_process.wait()
-        stopped.append(runs)
-    return out, stopped
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return out, stopped, printed
 
 
-def test_a_stopped_or_killed_study_leaves_no_run_behind_and_its_rerun_resumes(cpu_study, one_seed_study):
-    """SIGTERM: the study stops its runs (each saves a checkpoint) and exits; kill -9 of its process group: its runs
-    stop too (they die with the pool's server); the rerun resumes them and trains what an uninterrupted study does."""
-    out, stopped = one_seed_study
+def test_two_at_a_time_stopped_killed_and_failing_the_study_trains_the_runs_of_one_at_a_time_bit_for_bit(
+    cpu_study, interrupted_study
+):
+    """Concurrency changes no decision: the plan is recomputed whenever a run ends and decides as one run at a time.
+    SIGTERM stops the runs (each saves a checkpoint); kill -9 of the study's group stops them too (they die with the
+    pool's server); a run that dies is retried once, resumed, and a second death is reported with its log's last
+    error line while the others go on; each start resumes. The end: the same runs as one at a time, records equal but
+    for times and hosts, the same results.md."""
+    out, stopped, printed = interrupted_study
     assert [len(runs) for runs in stopped] == [2, 2] and not any(alive(pid) for r in stopped for pid in r.values())
-    compared = 0
-    for record in out.glob("runs/*/*.json"):  # the bits of the two-seed study's run of that name
-        if (reference := cpu_study / record.relative_to(out)).is_file():
-            assert comparable(record) == comparable(reference), record.name
-            compared += 1
-    assert compared >= 10
+    assert "end   d1 at 5e+09 FLOPs, seed 1, lr 0.003 on CPU: failed (killed)" in printed
+    assert "trying it once more, resumed" in printed and f"; its log: runs/cpu/logs/{VICTIM}.log" in printed
+    assert "stopped: " in printed and printed.index("start ", printed.index(f"logs/{VICTIM}.log"))  # others went on
+    assert_same_study(cpu_study, out)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -521,7 +507,7 @@ SLURM = ["--launcher", "slurm", "--partition", "debug", "--gpus-per-run", "0", "
 
 @needs_slurm
 def test_the_cpu_study_through_slurm_adopts_its_jobs_resumes_a_requeued_one_and_matches_the_local_pool(
-    one_seed_study, demo_home, tmp_path, monkeypatch, capsys
+    cpu_study, demo_home, tmp_path, monkeypatch, capsys
 ):
     """One Slurm job a run, through submitit. A study killed (kill -9) while its jobs are queued and running is
     started again and follows those jobs instead of submitting them twice; meanwhile the local launcher is refused;
@@ -545,13 +531,20 @@ def test_the_cpu_study_through_slurm_adopts_its_jobs_resumes_a_requeued_one_and_
                                               capture_output=True, text=True).stdout.split())  # fmt: skip
     requeued = running[0]  # a preemption: Slurm stops the job (SIGTERM: the run saves) and queues it again
     subprocess.run(["scontrol", "requeue", requeued], check=True)
+    state = ["squeue", "--noheader", "--format=%T", f"--jobs={requeued}"]
+    wait_for(lambda: subprocess.run(state, capture_output=True, text=True).stdout.strip() == "PENDING")
     subprocess.run(["scontrol", "update", f"JobId={requeued}", "StartTime=now"], check=True)  # no 2-minute hold
     assert study.main([str(grid), *SLURM]) == 0
     assert f"following {len(in_flight)} runs an earlier study left in flight" in capsys.readouterr().out
     logs = {log.stem: log.read_text().count("$ python -m") for log in tmp_path.glob("runs/cpu/logs/*")}
     requeued_run = next(name for name, job in in_flight.items() if job == requeued)
     assert logs.pop(requeued_run) == 2 and set(logs.values()) == {1}  # none submitted twice
-    assert_same_study(one_seed_study[0], tmp_path / "runs" / "cpu", runs=ONE_SEED_RUNS)
+    out, compared = tmp_path / "runs" / "cpu", 0
+    for record in out.glob("runs/*/*.json"):  # the bits of the local pool's run of that name (seed 0 of cpu.toml)
+        if (reference := cpu_study / record.relative_to(out)).is_file():
+            assert comparable(record) == comparable(reference), record.name
+            compared += 1
+    assert compared >= 10 and len(list(out.glob("runs/*/*.json"))) == ONE_SEED_RUNS
 
 
 @needs_slurm
