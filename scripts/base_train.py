@@ -14,8 +14,8 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +24,7 @@ import torch
 
 import ppt.model
 from ppt import checkpoint as ckpt
-from ppt.common import (
-    MAX_TOKENS,
-    PPTError,
-    Runtime,
-    few,
-    init_runtime,
-    print0,
-    run_cli,
-    shutdown_runtime,
-    warn0,
-    wrap_ddp,
-)
+from ppt.common import MAX_TOKENS, PPTError, few, init_runtime, print0, run_cli, shutdown_runtime, warn0, wrap_ddp
 from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader
 from ppt.devices import peak_flops
@@ -49,7 +38,7 @@ from ppt.optim import build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.run import Evaluation, RunRecord, TrainSettings, plot_losses
 from scripts.train_settings import TOTAL_BATCH_TOKENS as TOTAL_BATCH_TOKENS  # re-exported: scripts/study.py reads it
-from scripts.train_settings import Derived, Settings, parse_args, record_settings, resolve
+from scripts.train_settings import Derived, parse_args, record_settings, resolve
 from scripts.train_settings import build_parser as build_parser  # re-exported: scripts/study.py calls it
 
 OP_FORMULAS = getattr(ppt.model, "OP_FORMULAS", NO_FORMULAS)  # optional in model.py (SPEC.md)
@@ -58,7 +47,7 @@ OP_FORMULAS = getattr(ppt.model, "OP_FORMULAS", NO_FORMULAS)  # optional in mode
 RULE_REFRESH_STEPS = 50
 RECORD_EVERY_STEPS = 50  # the run record is rewritten this often, so that a killed run's record shows its progress
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay the step from CUDA graphs
-# Devices that run queued work while the host goes on: there each step is read a step late (Trainer.loop). A CPU
+# Devices that run queued work while the host goes on: there each step is read a step late (train_step). A CPU
 # computes as the host queues, so reading late would gain nothing and time each step by its successor's work.
 LATE_READ_DEVICES = ("cuda",)
 CHECKPOINT_FORMAT = 2  # a checkpoint records its settings (TrainSettings), which a resume must continue
@@ -86,9 +75,10 @@ def main(argv: list[str] | None = None) -> None:
 
 @dataclasses.dataclass
 class QueuedStep:
-    """A step whose forward and backward are queued: its loss and gradient norm (on the device, or on their way to
-    the host once `copied` has passed), its document-position counts, the comparison rule they are booked by, its
-    learning rate and its seconds spent waiting for data."""
+    """A step whose forward and backward are queued: its loss and gradient norm (`stats`: on the device, or on their
+    way to the host once `copied` has passed), its document-position counts, the comparison rule they are booked by,
+    its learning rate and its seconds spent waiting for data; then, once read (Trainer.read), its loss and gradient
+    norm averaged over ranks and the seconds since the step read before it."""
 
     stats: torch.Tensor
     counts: np.ndarray
@@ -96,11 +86,22 @@ class QueuedStep:
     lr: float
     data_time: float
     copied: torch.cuda.Event | None = None
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    step_time: float = math.nan
+
+    def send_to_host(self) -> None:
+        """Start the loss and gradient norm on their way to the host (into pinned memory, from a GPU)."""
+        on_cuda = self.stats.is_cuda
+        self.stats = self.stats.to("cpu", non_blocking=True)
+        if on_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
 
 class Trainer:
     """One run: its Settings, what they name built (model, optimizer, data, output directory, a resumed state), what
-    needs the model planned (Derived, compilation, the record), the loop, the finish."""
+    needs the model planned (Derived, compilation, the record), the loop of train_steps, the finish."""
 
     def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
         self.started = time.perf_counter()
@@ -111,7 +112,7 @@ class Trainer:
         self.settings = resolve(args, argv, self.rt)
         self.build()
         self.plan()
-        self.measure = Measurement(self.settings, self.rt)
+        self.measure = Measurement(self)
         self.stop_signal: list[int] = []
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self.stop_signal.append(signum))
@@ -354,139 +355,122 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def loop(self) -> None:
-        """One host sync per step, when the host reads a step's loss and gradient norm. Where the optimizer skips a
-        non-finite step on the device (fused AdamW, one CUDA process) the host reads each step a step late: it queues
-        step n + 1 before it waits for step n, so the GPU does not idle while the host logs, steps the optimizer and
-        launches the next forward (+12-17% tok/s at the study's shapes on one H200, docs/benchmarks.md). A step due
-        for an evaluation or a save is read at once. The step time is the time between consecutive reads."""
-        s, d = self.settings, self.derived
-        self.train_iter = iter(self.train_loader)
-        self.last_saved, self.stopping = self.step, 0
-        self.last_sync = time.perf_counter()
+        """Train to the last step, one train_step at a time. A lone process stops before its next step once signalled;
+        ranks stop together, after the step whose read carried the signal (read)."""
+        s = self.settings
+        self.batches = iter(self.train_loader)
+        self.last_saved, self.stopping, self.last_read = self.step, 0, time.perf_counter()
+        self.in_flight: QueuedStep | None = None  # read late: queued and updated on the device, not yet read
         # fused AdamW takes a found_inf flag and skips a step on the device (not so a resumed unfused state's groups)
         fused = all(g.get("fused") for g in self.optimizer.param_groups)
         self.reads_late = fused and self.rt.device.type in LATE_READ_DEVICES and not self.rt.distributed
-        in_flight: QueuedStep | None = None  # queued and updated on the device, not yet read
-        while (step := self.step + (in_flight is not None)) < d.last_step:  # the 0-based index of the step to queue
+        while (step := self.step + (self.in_flight is not None)) < self.derived.last_step:  # 0-based, to queue
             self.measure.before_step(step)
-            if self.stop_signal and not self.rt.distributed:  # a lone process stops before it starts another step
+            if self.stop_signal and not self.rt.distributed:
                 self.stopping = self.stop_signal[0]
                 break
             if step % RULE_REFRESH_STEPS == 0 and step != self.rule_step:  # learned windows move
                 self.rule, self.rule_step = self.rule.refreshed(self.model, OP_FORMULAS), step
-                self.last_sync = time.perf_counter()  # the refresh's time is not the step's
-            set_lr(self.optimizer, lr_multiplier(step, d.steps, d.warmup_steps, s.schedule, s.decay_frac))
-            queued = self.forward_backward()
-            if not self.reads_late:
-                self.settle(queued)
-            else:
-                self.step_on_device(queued, step + 1)
-                if in_flight:
-                    self.settle(in_flight)
-                in_flight = queued
-                if self.due(s.eval_every, step + 1) or self.due(s.save_every, step + 1) or self.stopping:
-                    self.settle(in_flight)
-                    in_flight = None
+                self.last_read = time.perf_counter()  # the refresh's time is not the step's
+            self.train_step(step)
+            if self.due(s.eval_every, step + 1) or self.due(s.save_every, step + 1) or self.stopping:
+                self.read_in_flight()  # a step with an evaluation or a save after it, or a stop, is read at once
             if self.stopping:
                 break
-        if in_flight:
-            self.settle(in_flight)
+        self.read_in_flight()
 
-    def forward_backward(self) -> QueuedStep:
-        """The step's micro-batches, queued: its loss and gradient norm stay on the device."""
-        s = self.settings
-        loss_sum = torch.zeros((), device=self.rt.device)
-        data_time = 0.0
+    def train_step(self, step: int) -> None:
+        """Step `step` + 1: batch → forward → backward → clip → optimizer step → zero_grad → history entry. Read at
+        once, the optimizer steps once the host has read the loss and gradient norm and found them finite. Read late
+        (fused AdamW, one GPU), the optimizer skips a non-finite step on the device, and the host reads the step
+        before while this one runs: the GPU does not idle while the host logs and launches (+12-17% tok/s at the
+        study's shapes on one H200, docs/benchmarks.md)."""
+        s, d = self.settings, self.derived
+        set_lr(self.optimizer, lr_multiplier(step, d.steps, d.warmup_steps, s.schedule, s.decay_frac))
+        loss_sum, data_time = torch.zeros((), device=self.rt.device), 0.0
         for micro in range(s.grad_accum):
             t_data = time.perf_counter()
-            inputs, targets, doc_pos = next(self.train_iter)
-            doc_pos = doc_pos if s.doc_masks else None
+            inputs, targets, doc_pos = next(self.batches)
             data_time += time.perf_counter() - t_data
-            sync = micro == s.grad_accum - 1 or not self.rt.distributed
-            with nullcontext() if sync else self.train_model.no_sync(), autocast(self.rt.device, self.rt.dtype):
-                try:
-                    loss = self.train_model(inputs, targets, doc_pos)
-                except RuntimeError as exc:
-                    if error := unused_parameter_error(exc, self.step):
-                        raise error from exc
-                    raise
+            with self.forward_context(last_micro=micro == s.grad_accum - 1):
+                loss = self.train_model(inputs, targets, doc_pos if s.doc_masks else None)
             (loss / s.grad_accum).backward()
             loss_sum += loss.detach()
-        counts = self.doc_pos_counts(self.train_loader)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip or float("inf"))
         stats = torch.stack([loss_sum / s.grad_accum, norm.float()])
-        return QueuedStep(stats, counts, self.rule, self.optimizer.param_groups[0]["lr"], data_time)
-
-    def step_on_device(self, queued: QueuedStep, step: int) -> None:
-        """Step the optimizer without reading the step: fused AdamW skips it on the device if its loss or gradient
-        norm is not finite. The two values start on their way to the host, to be read a step later."""
-        self.optimizer.found_inf = queued.stats.isfinite().all().logical_not().float()
-        self.measure.optimizer_step(self.optimizer, step)
+        lr = self.optimizer.param_groups[0]["lr"]
+        queued = QueuedStep(stats, self.doc_pos_counts(self.train_loader), self.rule, lr, data_time)
+        if self.reads_late:  # fused AdamW skips the update on the device if the step is not finite
+            self.optimizer.found_inf = stats.isfinite().all().logical_not().float()
+        elif not self.read(queued):  # not finite: skipped, no update
+            return
+        self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
-        queued.stats = queued.stats.to("cpu", non_blocking=True)  # into pinned memory, from a GPU
-        if self.rt.device.type == "cuda":
-            queued.copied = torch.cuda.Event()
-            queued.copied.record()
+        if self.reads_late:  # on its way to the host, which meanwhile reads the step before
+            queued.send_to_host()
+            self.read_in_flight()
+            self.in_flight = queued
+        else:
+            self.finish_step(queued)  # counted: its history entry, then an evaluation or a save where due
 
-    def settle(self, done: QueuedStep) -> None:
-        """Read a queued step (the host sync) and finish it: skip it if not finite, else step the optimizer (unless
-        it stepped on the device), count and log it, and evaluate or save where due."""
-        loss, norm, finite, counts = self.sync(done)
+    @contextmanager
+    def forward_context(self, last_micro: bool) -> Iterator[None]:
+        """A micro-batch's forward: under autocast; under DDP without the gradient all-reduce but in a step's last
+        micro-batch, and DDP's error for parameters without a gradient in the step before as one line with the fix."""
+        sync = last_micro or not self.rt.distributed
+        with nullcontext() if sync else self.train_model.no_sync(), autocast(self.rt.device, self.rt.dtype):
+            try:
+                yield
+            except RuntimeError as exc:
+                if "Expected to have finished reduction in the prior iteration" not in str(exc):
+                    raise
+                raise PPTError(
+                    f"under DDP, some parameters got no gradient in step {self.step} though all had one in a first "
+                    "forward and backward before training, so DDP runs without find_unused_parameters; make every "
+                    "parameter take part in every step's loss in ppt/model.py (e.g. add 0 * p.sum() for a branch a "
+                    "step may skip)"
+                ) from exc
+
+    def read(self, done: QueuedStep) -> bool:
+        """The host sync: a queued step's loss and gradient norm (averaged over ranks), every rank's document-position
+        counts and the stop flags; False for a step that is not finite, which is skipped (no update, evaluation or
+        save). Ranks can receive a signal in different steps; the flags ride on the loss all-reduce so that every
+        rank stops after the same step (one that stopped alone would leave the others waiting in their next
+        all-reduce). The counts ride along for the comparison FLOPs; fp32 holds them exactly (each is at most the
+        step's tokens, < 2^24)."""
+        rt = self.rt
+        flags = [float(sig in self.stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)]
+        if rt.distributed:
+            host = torch.from_numpy(np.concatenate([flags, done.counts]).astype(np.float32))
+            stats = torch.cat([done.stats, host.to(rt.device)])
+            torch.distributed.all_reduce(stats)  # summed: the loss and norm are divided by the world size below
+            values = stats.cpu().numpy().astype(np.float64)
+            loss_sum, norm_sum, flags = float(values[0]), float(values[1]), values[2:4].tolist()
+            done.counts = np.rint(values[4:]).astype(np.int64)
+        else:
+            if done.copied:
+                done.copied.synchronize()
+            loss_sum, norm_sum = done.stats.tolist()
+        done.loss, done.grad_norm = loss_sum / rt.world_size, norm_sum / rt.world_size
+        self.stopping = signal.SIGTERM if flags[0] else signal.SIGINT if flags[1] else 0
         now = time.perf_counter()
-        dt, self.last_sync = now - self.last_sync, now
+        done.step_time, self.last_read = now - self.last_read, now
         if self.step == self.start_step:
             # What torch.compile built in this first step lives all run. Freezing takes it out of the garbage
             # collector's full scans, which otherwise pause the host whenever they run (260 ms with a compiled
             # 32-layer model alive, on a 2-core CPU): under DDP one rank's pause holds up every rank.
             freeze_gc()
-            self.first_sync = now
-        if not finite:  # no update, evaluation or save for this step
-            self.skip_step(loss)
-            return
-        if not self.reads_late:
-            self.measure.optimizer_step(self.optimizer, self.step + 1)
-            self.optimizer.zero_grad(set_to_none=not self.keep_grads)
-        self.step += 1
-        self.tokens_seen += self.settings.total_batch_tokens
-        self.comparison_flops += done.rule.step_flops(counts)
-        self.log_step(done, loss, norm, dt, now)
-        if self.stopping:
-            return
-        if self.due(self.settings.eval_every, self.step):
-            self.evaluate()
-            self.last_sync = time.perf_counter()  # evaluation time is not the next step's
-        if self.due(self.settings.save_every, self.step):
-            self.save()
-            self.last_sync = time.perf_counter()
-        if self.step % RECORD_EVERY_STEPS == 0:
-            self.write_record()
+            self.first_read = now
+        if math.isfinite(done.loss) and math.isfinite(done.grad_norm):
+            return True
+        self.skip_step(done.loss)
+        return False
 
-    def due(self, every: int, step: int) -> bool:
-        """Whether an evaluation or a save every `every` steps (0: never) falls after `step` (the last one's is the
-        finish's)."""
-        return bool(every) and step % every == 0 and step < self.derived.last_step
-
-    def sync(self, done: QueuedStep) -> tuple[float, float, bool, np.ndarray]:
-        """(loss averaged over ranks, gradient norm, both finite, every rank's document-position counts). Ranks can
-        receive a signal in different steps; the flags ride on the loss all-reduce so that every rank stops after
-        the same step (one that stopped alone would leave the others waiting in their next all-reduce). The counts
-        ride along for the comparison FLOPs; fp32 holds them exactly (each is at most the step's tokens, < 2^24)."""
-        stats, counts = done.stats, done.counts
-        flags = [float(sig in self.stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)]
-        if self.rt.distributed:
-            host = torch.from_numpy(np.concatenate([flags, counts]).astype(np.float32))
-            stats = torch.cat([stats, host.to(self.rt.device)])
-            torch.distributed.all_reduce(stats)  # summed: the loss and norm are divided by the world size below
-            values = stats.cpu().numpy().astype(np.float64)
-            loss_sum, norm_sum, flags = float(values[0]), float(values[1]), values[2:4].tolist()
-            counts = np.rint(values[4:]).astype(np.int64)
-        else:
-            if done.copied:
-                done.copied.synchronize()
-            loss_sum, norm_sum = stats.tolist()
-        loss_value, norm_value = loss_sum / self.rt.world_size, norm_sum / self.rt.world_size
-        self.stopping = signal.SIGTERM if flags[0] else signal.SIGINT if flags[1] else 0
-        return loss_value, norm_value, math.isfinite(loss_value) and math.isfinite(norm_value), counts
+    def read_in_flight(self) -> None:
+        """Read the step queued and not yet read (steps read late), if any, and finish it."""
+        done, self.in_flight = self.in_flight, None
+        if done and self.read(done):
+            self.finish_step(done)
 
     def skip_step(self, loss: float) -> None:
         """A non-finite loss or gradient: stop, or with --skip-nonfinite N skip up to N such steps."""
@@ -504,27 +488,54 @@ class Trainer:
         )
         self.step += 1
 
-    def log_step(self, done: QueuedStep, loss: float, norm: float, dt: float, now: float) -> None:
-        s, d, rt, step, lr, data_time = self.settings, self.derived, self.rt, self.step, done.lr, done.data_time
-        tok_per_s = s.total_batch_tokens / dt
+    def finish_step(self, done: QueuedStep) -> None:
+        """Count a finite step (its tokens and comparison FLOPs), add its history entry, then evaluate or save where
+        due."""
+        s = self.settings
+        self.step += 1
+        self.tokens_seen += s.total_batch_tokens
+        self.comparison_flops += done.rule.step_flops(done.counts)
+        self.log_step(done)
+        if self.stopping:
+            return
+        if self.due(s.eval_every, self.step):
+            self.evaluate()
+            self.last_read = time.perf_counter()  # evaluation time is not the next step's
+        if self.due(s.save_every, self.step):
+            self.save()
+            self.last_read = time.perf_counter()
+        if self.step % RECORD_EVERY_STEPS == 0:
+            self.write_record()
+
+    def due(self, every: int, step: int) -> bool:
+        """Whether an evaluation or a save every `every` steps (0: never) falls after `step` (the last one's is the
+        finish's)."""
+        return bool(every) and step % every == 0 and step < self.derived.last_step
+
+    def log_step(self, done: QueuedStep) -> None:
+        """The step's history entry (in the record at logged steps, and at every step under --benchmark, whose summary
+        reads them all), its log line and its wandb metrics."""
+        s, rt, step, last_step = self.settings, self.rt, self.step, self.derived.last_step
+        tok_per_s = s.total_batch_tokens / done.step_time
         mfu = self.mfu(self.mfu_flops["mfu"], tok_per_s) if self.mfu_flops else None
         memory_key, memory = memory_gb(rt.device)
         entry = {"step": step, "tokens": self.tokens_seen, "comparison_flops": self.comparison_flops,
-                 "wall_time_s": self.wall_time(), "loss": loss, "lr": lr, "grad_norm": norm, "tok_per_s": tok_per_s,
-                 "step_time": dt, "data_time": data_time, **({"mfu": mfu} if mfu is not None else {}),
-                 memory_key: memory}  # fmt: skip
-        logged = step % s.log_every == 0 or step == d.last_step
-        if logged or s.benchmark:  # the record keeps the logged steps (a benchmark's summary reads every one)
+                 "wall_time_s": self.wall_time(), "loss": done.loss, "lr": done.lr, "grad_norm": done.grad_norm,
+                 "tok_per_s": tok_per_s, "step_time": done.step_time, "data_time": done.data_time,
+                 **({"mfu": mfu} if mfu is not None else {}), memory_key: memory}  # fmt: skip
+        logged = step % s.log_every == 0 or step == last_step
+        if logged or s.benchmark:
             self.record.history.append(entry)
         if not logged:
             return
         mfu_text = f" | mfu {100 * mfu:5.1f}%" if mfu is not None else ""
-        done = step - self.start_step
-        per_step = (now - self.first_sync) / (done - 1) if done > 1 else dt
+        steps_done = step - self.start_step
+        per_step = (self.last_read - self.first_read) / (steps_done - 1) if steps_done > 1 else done.step_time
         print0(
-            f"step {step:6d}/{d.steps} ({100 * step / d.last_step:.1f}%) | loss {loss:.4f} | lr {lr:.2e} "
-            f"| grad {norm:.3f} | {tok_per_s:,.0f} tok/s | {1000 * dt:.0f} ms{mfu_text} | mem {memory:.2f} GB "
-            f"| {duration(self.wall_time())} elapsed, eta {duration(per_step * (d.last_step - step))}"
+            f"step {step:6d}/{self.derived.steps} ({100 * step / last_step:.1f}%) | loss {done.loss:.4f} "
+            f"| lr {done.lr:.2e} | grad {done.grad_norm:.3f} | {tok_per_s:,.0f} tok/s | {1000 * done.step_time:.0f} ms"
+            f"{mfu_text} | mem {memory:.2f} GB | {duration(self.wall_time())} elapsed, "
+            f"eta {duration(per_step * (last_step - step))}"
         )
         if self.wandb_run:
             self.wandb_run.log(for_wandb(entry), step=step)
@@ -607,26 +618,40 @@ class Trainer:
 
 
 class Measurement:
-    """--benchmark and --profile, outside the loop: it calls these hooks, which for a training run only step the
-    optimizer. --benchmark measures instead of training for keeps: no checkpoints, evaluations or record, the
-    optimizer timed apart, and a JSON summary over the steps after the first five (compilation and warm-up),
-    leaving out the steps the profiler slowed down."""
+    """--benchmark and --profile, from outside the step: the profiler steps before each step, and under --benchmark
+    hooks on the optimizer time its every step. --benchmark measures instead of training for keeps: no checkpoints,
+    evaluations or record, and a JSON summary over the steps after the first five (compilation and warm-up), leaving
+    out the steps the profiler slowed down."""
 
-    def __init__(self, s: Settings, rt: Runtime) -> None:
+    def __init__(self, trainer: Trainer) -> None:
+        s, rt = trainer.settings, trainer.rt
         self.benchmark, self.device = s.benchmark, rt.device
         self.profiler = StepProfiler(rt.device, first=5, steps=3) if s.profile and rt.is_master else None
         self.profiled_steps: set[int] = set()
-        self.optimizer_times: dict[int, Callable[[], float]] = {}  # by step; read at the end, never waiting for the GPU
+        self.step = 0  # the number of the step the loop queues next
+        # by step: the optimizer step's start and end (CUDA events or host seconds), read at the end, never waiting
+        self.optimizer_marks: dict[int, list[Any]] = {}
+        if s.benchmark:
+            trainer.optimizer.register_step_pre_hook(self.mark)
+            trainer.optimizer.register_step_post_hook(self.mark)
 
     def before_step(self, step: int) -> None:
+        self.step = step + 1
         if self.profiler and self.profiler.step():  # slows the step it queues and, read a step late, the one before
             self.profiled_steps |= {step, step + 1}
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: int) -> None:
-        if self.benchmark:
-            self.optimizer_times[step] = timed(optimizer.step, self.device)
+    def mark(self, *_: object) -> None:
+        """An optimizer hook: the time the optimizer step starts or ends, on the GPU an event read later."""
+        if self.device.type == "cuda":
+            now = torch.cuda.Event(enable_timing=True)
+            now.record()
         else:
-            optimizer.step()
+            now = time.perf_counter()
+        self.optimizer_marks.setdefault(self.step, []).append(now)
+
+    def optimizer_seconds(self, step: int) -> float:
+        start, end = self.optimizer_marks[step]
+        return start.elapsed_time(end) / 1000 if self.device.type == "cuda" else end - start
 
     def end(self, trainer: Trainer) -> bool:
         """Stop the profiler; under --benchmark print the summary and return True."""
@@ -637,7 +662,7 @@ class Measurement:
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the last optimizer step's events
         steps = [h for h in trainer.record.history if "step_time" in h]
-        after_warmup = [(h, self.optimizer_times[h["step"]]()) for h in steps][5:]
+        after_warmup = [(h, self.optimizer_seconds(h["step"])) for h in steps][5:]
         kept = [(h, seconds) for h, seconds in after_warmup if h["step"] not in self.profiled_steps]
         if not kept:
             raise PPTError("--benchmark needs more than 5 steps (more than 9 with --profile); raise --max-steps")
@@ -675,17 +700,6 @@ def allocate_grads(model: torch.nn.Module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def unused_parameter_error(exc: RuntimeError, step: int) -> PPTError | None:
-    """DDP's error for parameters that got no gradient in the step before, as one line with the fix; None for others."""
-    if "Expected to have finished reduction in the prior iteration" not in str(exc):
-        return None
-    return PPTError(
-        f"under DDP, some parameters got no gradient in step {step} though all had one in a first forward and backward "
-        "before training, so DDP runs without find_unused_parameters; make every parameter take part in every "
-        "step's loss in ppt/model.py (e.g. add 0 * p.sum() for a branch a step may skip)"
-    )
-
-
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Every param group's settings (role, algorithm, initial_lr, betas, weight decay, ...), without its tensors and
     its current lr (the schedule's, which a resumed optimizer brings along)."""
@@ -714,21 +728,6 @@ def freeze_gc() -> None:
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # once, however often a process (a test session) calls main
     atexit.register(gc.unfreeze)
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:
-    """Run fn; return a function that gives its duration in seconds. On CUDA it is the GPU time between two events,
-    read later, so that timing never makes the host wait for the GPU."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - t0
-        return lambda: elapsed
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    return lambda: start.elapsed_time(end) / 1000
 
 
 if __name__ == "__main__":
