@@ -1,4 +1,4 @@
-"""Pretrain a model from ppt/model.py on prepared shards (the flags of scripts/base_train.py, resolved here).
+"""Pretrain a model from ppt/model.py on prepared shards.
 
 python -m scripts.base_train --config smollm-135m --target-tokens 1e9
 torchrun --nproc_per_node=8 -m scripts.base_train --config smollm-360m --target-tokens 20e9
@@ -8,6 +8,8 @@ python -m scripts.base_train ... --resume auto             # continue a stopped 
 
 A run owns its checkpoint directory and its name (--tag) while it runs: a second run with either stops at once.
 """
+# The docstring above is `python -m scripts.base_train --help`. This module holds base_train's flags, recipes and
+# relaunch, and resolves them into one Settings before anything is built; what needs the built model is Derived.
 
 from __future__ import annotations
 
