@@ -7,7 +7,8 @@ from architectures import fresh, smallest_config_per_class
 from torch._dynamo.utils import counters
 
 from ppt.common import Runtime
-from scripts.base_train import allocate_grads, compile_mode
+from scripts.base_train import allocate_grads
+from scripts.train_settings import compile_mode
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
