@@ -37,9 +37,7 @@ from ppt.model import build_model
 from ppt.optim import build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.run import Evaluation, RunRecord, TrainSettings, plot_losses
-from scripts.train_settings import TOTAL_BATCH_TOKENS as TOTAL_BATCH_TOKENS  # re-exported: scripts/study.py reads it
 from scripts.train_settings import Derived, parse_args, record_settings, resolve
-from scripts.train_settings import build_parser as build_parser  # re-exported: scripts/study.py calls it
 
 OP_FORMULAS = getattr(ppt.model, "OP_FORMULAS", NO_FORMULAS)  # optional in model.py (SPEC.md)
 # The comparison-FLOPs rule is refreshed every this many steps (learned windows move), on a schedule that does not

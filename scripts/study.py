@@ -78,7 +78,7 @@ from ppt.common import (
 from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
 from ppt.run import RunRecord, git_state, hardware
-from scripts import base_train, compare
+from scripts import compare, train_settings
 from scripts.launchers import Job, LocalPool, SlurmLauncher, SlurmSettings, chosen_gpus, jobs_in_flight, last_error
 
 # Flags the study sets itself for every run; a grid that passed them would make runs that are not what they say
@@ -271,7 +271,7 @@ class _Refused(Exception):
 
 def _check_argv(path: Path, grid: Grid, run: Run) -> None:
     """Parse a run's flags as base_train will, so a value it refuses stops the study before any run starts."""
-    parser = base_train.build_parser()
+    parser = train_settings.build_parser()
 
     def refuse(message: str) -> None:
         raise _Refused(message)
@@ -577,10 +577,10 @@ class Study:
         self.train_tokens = read_meta(self.grid.data_dir)["train"]["tokens"]
         self.data_fingerprint = dataset_fingerprint(self.grid.data_dir)
         for arch in self.grid.archs:
-            flags = base_train.parse_args(self.argv(Run(arch.name, arch.sizes[0], 1.0, 1.0, 0)))
+            flags = train_settings.parse_args(self.argv(Run(arch.name, arch.sizes[0], 1.0, 1.0, 0)))
             if flags.device:  # refused here, not by every run
                 checked_device(flags.device)
-            self.min_tokens[arch.name] = max(flags.total_batch_tokens or base_train.TOTAL_BATCH_TOKENS,
+            self.min_tokens[arch.name] = max(flags.total_batch_tokens or train_settings.TOTAL_BATCH_TOKENS,
                                              flags.warmup_tokens or 0)  # fmt: skip
             for size in arch.sizes:
                 config = replace(get_config(size), vocab_size=vocab)

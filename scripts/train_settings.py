@@ -52,6 +52,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         "warmup_tokens": 57 * MOR_BATCH_TOKENS, "decay_frac": 0.2, "no_doc_masks": True,
     },
 }  # fmt: skip
+SEED = Number(int, 0, 2**32 - 1)  # what every generator a run seeds takes (numpy's legacy one the least)
 TOTAL_BATCH_TOKENS = 524_288  # tokens a step, all ranks together, unless --total-batch-tokens
 # A config field of this name, if the config has one, is set to the training row length (SPEC.md, the model contract).
 TRAIN_LENGTH_FIELD = "train_seq_len"
@@ -171,10 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep", type=nonneg_int, default=3, help="checkpoints to keep (0 keeps all)")
     g.add_argument("--resume", help="'auto' (latest complete checkpoint in --out-dir, if any) or a checkpoint path")
     g.add_argument("--run", help="wandb run name; wandb stays off without it")
-    g.add_argument("--seed", type=nonneg_int, default=0, help="sets --data-seed and --model-seed unless given")
-    g.add_argument("--data-seed", type=nonneg_int, help="the order of the training rows: at one data seed, sequence "
+    g.add_argument("--seed", type=SEED, default=0, help="sets --data-seed and --model-seed unless given")
+    g.add_argument("--data-seed", type=SEED, help="the order of the training rows: at one data seed, sequence "
                    "length and batch every architecture sees the same tokens in the same order")  # fmt: skip
-    g.add_argument("--model-seed", type=nonneg_int, help="the initialization of the weights, and nothing else")
+    g.add_argument("--model-seed", type=SEED, help="the initialization of the weights, and nothing else")
     g.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
                    help="torch.compile the model, and Muon/Aurora's orthogonalizations (auto: on CUDA)")  # fmt: skip
     g.add_argument("--compile-mode", default="auto",

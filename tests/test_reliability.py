@@ -731,6 +731,9 @@ BAD_INPUT = [
     pytest.param("study", ["{work}/shared_sizes.toml", "--dry-run"], {},
                  r"\[arch\.\*\] tables share sizes \['d3'\]: each size belongs to one architecture",
                  id="study-shared-sizes"),
+    pytest.param("study", ["{work}/huge_seed.toml", "--dry-run"], {},
+                 r"base_train refuses run d1-f1e\+09-lr0\.003-s1000000000000000019884624838656: argument --seed: "
+                 r"'1000000000000000019884624838656' is not an integer >= 0 and <= 4294967295", id="study-huge-seed"),
     pytest.param("study", ["{work}/grid.toml", "--out", "{work}/s_gpus", "--gpus", "7"], {"CUDA_VISIBLE_DEVICES": ""},
                  r"--gpus 7: GPU 7 is not one of the GPUs this machine shows \(none\); pass --gpus all",
                  id="study-unknown-gpu"),
