@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ppt.common import PPTError
-from ppt.flops import NO_FORMULAS, MixerCall, OpFormulas, traced_step, unwrap_model
+from ppt.flops import NO_FORMULAS, MixerCall, OpFormulas, _Trace, traced_step, unwrap_model
 
 
 @dataclass
@@ -107,13 +107,17 @@ class ComparisonFlops:
         return cls(int(state["seq_len"]), int(state["params_matmul"]), list(state["mixers"]), state.get("untraced"))
 
 
-def comparison_flops_rule(model: nn.Module, seq_len: int, formulas: OpFormulas = NO_FORMULAS) -> ComparisonFlops:
+def comparison_flops_rule(
+    model: nn.Module, seq_len: int, formulas: OpFormulas = NO_FORMULAS, trace: _Trace | None = None
+) -> ComparisonFlops:
     """The rule of `model` for rows of `seq_len` tokens, from one traced forward of one row (learned reaches such as
-    screening windows at their current values). A model that cannot be traced gets the `untraced` rule, 6N alone
-    with N every parameter of 2+ dimensions, instead of an error, so that it still trains."""
+    screening windows at their current values), or from `trace`, a traced step of one row whose forward is that
+    (its mixers and weight FLOPs do not depend on autocast or the backward: base_train traces a step once for MFU and
+    this rule). A model that cannot be traced gets the `untraced` rule, 6N alone with N every parameter of 2+
+    dimensions, instead of an error, so that it still trains."""
     model = unwrap_model(model)
     try:
-        trace = traced_step(model, 1, seq_len, torch.float32, backward=False, formulas=formulas)
+        trace = trace or traced_step(model, 1, seq_len, torch.float32, backward=False, formulas=formulas)
     except PPTError as exc:
         params = {id(p): p.numel() for p in model.parameters() if p.ndim >= 2}  # a shared (tied) tensor once
         return ComparisonFlops(seq_len, sum(params.values()), [], untraced=str(exc))

@@ -621,12 +621,13 @@ def traced_step(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dt
 
 
 def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16,
-         formulas: OpFormulas = NO_FORMULAS) -> Cost:  # fmt: skip
+         formulas: OpFormulas = NO_FORMULAS, trace: _Trace | None = None) -> Cost:  # fmt: skip
     """Trace one training step of `model` (loss = model(idx, targets); loss.backward()) on meta twins of its tensors,
-    the model untouched. Under autocast to a 16-bit `dtype` (fp32: none) matmuls and SDPA cast their operands (each
-    tensor once, booked as a copy); other ops run in whatever dtype reaches them. `formulas` count the custom ops."""
+    the model untouched (or read `trace`, traced_step's of that step). Under autocast to a 16-bit `dtype` (fp32: none)
+    matmuls and SDPA cast their operands (each tensor once, booked as a copy); other ops run in whatever dtype
+    reaches them. `formulas` count the custom ops."""
     model = unwrap_model(model)
-    trace = traced_step(model, batch_size, seq_len, dtype, backward=True, formulas=formulas)
+    trace = trace or traced_step(model, batch_size, seq_len, dtype, backward=True, formulas=formulas)
     if trace.unclassified:
         warn0(f"ppt.flops: counted ops without a class as elementwise: {', '.join(sorted(trace.unclassified))}")
     return Cost(
@@ -643,10 +644,12 @@ def cost(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = t
     )
 
 
-def mfu_flops_per_token(model: nn.Module, seq_len: int, formulas: OpFormulas = NO_FORMULAS) -> dict[str, float]:
-    """Training FLOPs per token, traced once: {"mfu": 6N + attention, "6n", "attention", "params_matmul": N,
-    "per_token": FLOPs and bytes per token by pass and op class}."""
-    step = cost(model, batch_size=1, seq_len=seq_len, formulas=formulas)
+def mfu_flops_per_token(model: nn.Module, seq_len: int, formulas: OpFormulas = NO_FORMULAS,
+                        trace: _Trace | None = None) -> dict[str, float]:  # fmt: skip
+    """Training FLOPs per token, traced once (or read off `trace`, traced_step's of one bf16 row and its backward):
+    {"mfu": 6N + attention, "6n", "attention", "params_matmul": N, "per_token": FLOPs and bytes per token by pass
+    and op class}."""
+    step = cost(model, batch_size=1, seq_len=seq_len, formulas=formulas, trace=trace)
     return {
         "mfu": step.flops_per_token,
         "6n": step.flops_per_token_6n,

@@ -28,7 +28,7 @@ from ppt.common import MAX_TOKENS, PPTError, few, init_runtime, print0, run_cli,
 from ppt.comparison_flops import ComparisonFlops, comparison_flops_rule
 from ppt.data import DataLoader
 from ppt.devices import peak_flops
-from ppt.flops import NO_FORMULAS, mfu_flops_per_token
+from ppt.flops import NO_FORMULAS, mfu_flops_per_token, traced_step
 from ppt.formatting import duration
 from ppt.locks import hold_lock, lock_directory, locks_held, release_locks
 from ppt.loss_eval import autocast, evaluate_bpb
@@ -198,16 +198,17 @@ class Trainer:
     # ---- what needs the model: FLOPs, the budget and schedule (Derived), compilation, the record ----------------
     def plan(self) -> None:
         s, rt, state = self.settings, self.rt, self.state
-        try:  # the MFU convention: a throughput figure, read from the (resumed) model
-            self.mfu_flops, untraced = mfu_flops_per_token(self.model, s.seq_len, OP_FORMULAS), None
+        try:  # one traced step of the (resumed) model: the MFU convention's FLOPs, and the comparison rule's mixers
+            trace = traced_step(self.model, 1, s.seq_len, torch.bfloat16, backward=True, formulas=OP_FORMULAS)
+            self.mfu_flops, untraced = mfu_flops_per_token(self.model, s.seq_len, OP_FORMULAS, trace), None
         except PPTError as exc:  # a forward that does not run on meta trains all the same, without MFU
-            self.mfu_flops, untraced = None, str(exc)
+            trace, self.mfu_flops, untraced = None, None, str(exc)
         self.peak = peak_flops(rt.device, rt.dtype)
         if "comparison" in state:  # the comparison rule: what runs are compared by
             self.rule = ComparisonFlops.from_state_dict(state["comparison"]["rule"])
             self.rule_step, self.comparison_flops = state["comparison"]["rule_step"], state["comparison"]["flops"]
         else:
-            self.rule = comparison_flops_rule(self.model, s.seq_len, OP_FORMULAS)
+            self.rule = comparison_flops_rule(self.model, s.seq_len, OP_FORMULAS, trace)
             self.rule_step, self.comparison_flops = 0, 0
         warnings = [rule_warning] if (rule_warning := self.rule.warning()) else []
         if untraced:  # one line when the rule's warning already says why the trace failed

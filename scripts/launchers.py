@@ -19,6 +19,7 @@ import getpass
 import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import shlex
 import shutil
@@ -129,6 +130,7 @@ class LocalPool:
         self.running: dict[int, tuple[Job, multiprocessing.Process]] = {}
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(PRELOADED)
+        multiprocessing.forkserver.ensure_running()  # its imports now, beside the study's planning
 
     def describe(self) -> str:
         gpus = sorted({slot for slot in self.free + [j.slot for j, _ in self.running.values()] if slot is not None})

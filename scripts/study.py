@@ -957,6 +957,7 @@ def study_main(args: argparse.Namespace) -> int:
     grid.data_dir = args.data_dir or grid.data_dir
     out = args.out or Path("runs") / grid.name
     study = Study(grid, out, not args.no_deterministic)
+    launcher = None if args.dry_run or args.report else make_launcher(args, grid, out)  # a pool starts its server
     if (grid.data_dir / "meta.json").is_file():
         study.measure_sizes()
     elif args.report:
@@ -983,7 +984,6 @@ def study_main(args: argparse.Namespace) -> int:
                   "results say what the finished runs say (train them: the same command without --report)")  # fmt: skip
         print(write_results(study, args.grid))
         return 0
-    launcher = make_launcher(args, grid, out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
