@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ third_arch.register(ppt.model)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_VOCAB = 512  # small enough that training and tokenizing the demo corpus take well under a second
 
 
@@ -138,3 +140,32 @@ def restore_tf32() -> Iterator[None]:
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+@pytest.fixture(scope="session", autouse=True)
+def readme_study(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[], tuple[Path, Path]]]:
+    """The README's laptop study (`python -m scripts.study docs/studies/cpu.toml`, one run at a time, a thread each),
+    which tests/test_study.py reads: started with the session when that module is selected, so that it trains on one
+    core while the other tests run. Gives a function that waits for it and returns (a home whose ~/.cache/ppt/data/demo
+    holds the demo corpus scripts/run_cpu.sh prepares, the study's directory)."""
+    if not any(item.path.name == "test_study.py" for item in request.session.items):
+        yield lambda: pytest.fail("tests/test_study.py was not selected")
+        return
+    home, work = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("readme")
+    demo = home / ".cache" / "ppt" / "data" / "demo"
+    python = shlex.quote(sys.executable)
+    script = (f"{python} -m scripts.prepare_fineweb --source demo --out {shlex.quote(str(demo))} --workers 1 && "
+              f"{python} -m scripts.study {shlex.quote(str(REPO_ROOT / 'docs' / 'studies' / 'cpu.toml'))}")  # fmt: skip
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO_ROOT)}
+    with open(work / "study.log", "w") as log:
+        process = subprocess.Popen(["bash", "-c", script], cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def finished() -> tuple[Path, Path]:
+        assert process.wait(timeout=900) == 0, (work / "study.log").read_text()[-3000:]
+        return home, work / "runs" / "cpu"
+
+    yield finished
+    process.kill()
+    process.wait()
