@@ -1,16 +1,19 @@
 """Run an architecture study: each architecture's compute-optimal frontier over several sizes and budgets, and the
 verdict between them as a compute multiplier with a 95% interval over seeds.
 
-    python -m scripts.study docs/studies/mixed.toml --out runs/mixed
+    python -m scripts.study docs/studies/mixed.toml --out runs/mixed   # every visible GPU, 4 runs to a GPU
     python -m scripts.study GRID.toml --dry-run                # the runs called for next, and their time; run nothing
-    python -m scripts.study GRID.toml --deadline 540           # start no run that would end later (a GPU lease)
+    python -m scripts.study GRID.toml --gpus 0,1 --deadline 540     # start no run that would end later (a lease)
+    python -m scripts.study GRID.toml --launcher slurm --partition gpu --time-min 120    # one Slurm job a run
+    python -m scripts.study GRID.toml --time 3                 # after the runs: each size timed alone, 3 times
+    python -m scripts.study GRID.toml --report                 # the results again, from the records alone
 
 The grid file (TOML):
 
     data_dir = "~/.cache/ppt/data/mixed-bpe16k"   # prepared shards
     seeds = [0, 1, 2]                 # run i of every setting trains with --seed i: the same data order and the same
                                       # initialization seed for every architecture and size (a paired design)
-    budgets = [1e15, 3e15, 1e16]      # comparison FLOPs per run (--target-flops)
+    budgets = [1e15, 3e15, 1e16]      # comparison FLOPs per run (--target-flops), 2 or more
     baseline = "vanilla"              # the architecture the others are measured against
     sizes_per_budget = 3              # sizes trained at each budget, at least 3
     tokens_per_param = 20             # where the first sizes tried at a budget are centred (a prior, not a rule)
@@ -18,31 +21,42 @@ The grid file (TOML):
     args = ["--seq-len", "1024"]      # flags every run gets
 
     [arch.vanilla]
-    sizes = ["d3", "d4", "d6", "d8"]  # config names of ppt/model.py, smallest first (the size dials)
-    lrs = [1e-3, 2e-3, 4e-3]          # the sweep each size starts from
+    sizes = ["d3", "d4", "d6", "d8"]  # config names of ppt/model.py, smallest first (the size dials), each in one
+    lrs = [1e-3, 2e-3, 4e-3]          # the sweep each size starts from                           architecture only
     args = []                         # flags this architecture's runs get
 
-How it decides, all from the runs finished so far, so that rerunning the same command resumes where it stopped:
+    [slurm]                           # --launcher slurm's sbatch settings (flags override them; docs/usage.md)
+    partition = "gpu"
+    time_min = 120
+    gpus_per_run = 1
+    sbatch = ["--qos=normal"]
+
+How it decides, all from the runs finished so far (not the order they finished in), so that rerunning the same
+command resumes where it stopped, and runs trained several at once decide as one at a time:
 - Sizes. At each budget it trains the `sizes_per_budget` sizes nearest (in log parameters) to the one the prior
   puts there, then, while the best of them (lowest mean final val bpb over the seeds) is at an end of those trained
-  and the list goes on, the next size past that end.
+  and the list goes on, the next size past that end. Never a size that would read more than max_epochs of the train
+  split, or less than one step and the warmup.
 - Learning rates. Each size's rate is swept at the smallest budget that trains it (the first seed only), not
   where it would read a few steps; a best rate at either end of the sweep adds the next rate past it (the sweep's own
-  ratio), up to 3 times a side. A diverged run counts as infinitely bad. The rate is then used at every budget, for
-  every seed.
+  ratio), up to 3 times a side. A diverged run counts as infinitely bad. At a budget RATE_CHECK times or more the
+  FLOPs of its sweep the rate is checked (seed 0 at it and one neighbour each side, swept on past a neighbour that
+  wins); every seed trains at the rate of its budget.
 - Noise. Runs are --deterministic (bitwise reproducible; --no-deterministic turns it off). The baseline's first
   run is also run again as it was (bitwise equal expected) and twice without --deterministic: the rerun floor.
+- Forecast. From 3 budgets on, the top one waits until its frontiers, fitted on the budgets below, predict it
+  (ppt/forecast.py, <out>/forecast.json, written once): the results set the prediction against the measurement.
 - The verdict (ppt/frontier.py): per architecture and budget, loss against log parameters as a parabola, its
   minimum the frontier point; B's multiplier at A's budget is the compute at which B's frontier reaches A's loss,
-  over A's compute, in comparison FLOPs, in tokens and in GPU-seconds (a run's tokens over its size's median
-  training tokens/s in the grid's --compile-mode, runs one at a time), with intervals over the seeds.
+  over A's compute, in comparison FLOPs, in tokens and in GPU-seconds (--time's speeds), with intervals over the
+  seeds, under every analysis ppt/frontier.ANALYSES names; a budget where either architecture's best is not below
+  4-gram counts of the train split (ppt/baselines.py) is in the n-gram regime and gives no headline.
 
-Runs train in this process, one at a time, each in <out>/runs/<name>/ with its record and a log in <out>/logs/; a
-study directory may move (a finished run stands wherever its data and output directory now are).
-<out>/study.json records every decision; <out>/results.md the tables (each budget's runs as scripts.compare shows
-them, with the count baselines of the val tokens; the rates; the frontier points and the multipliers; why a best
-size at an end of those trained has none past it; the rerun floor), <out>/frontier.png the frontiers against FLOPs,
-tokens and GPU-seconds.
+Each run trains in a process of its own (scripts/launchers.py: a local pool of slots on each GPU, or Slurm), in
+<out>/runs/<name>/ with its record, its log in <out>/logs/; a study directory may move (a finished run stands
+wherever its data and output directory now are). <out>/study.json records every decision; <out>/results.md the
+verdict, the forecast, the count baselines and each budget's regime, the rates and where each was chosen, the
+rerun floor, and each budget's runs as scripts.compare shows them; <out>/frontier.png the frontiers.
 """
 
 from __future__ import annotations
