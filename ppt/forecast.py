@@ -129,12 +129,11 @@ def predict(runs: Sequence[frontier.RunResult], baseline: str, budget: float) ->
     left_out = [_point([r for r in below if r.seed != seed], baseline, budget) for seed in seeds]
     t = frontier.t_quantile(0.975, len(seeds) - 1)
     for arch, estimate in result.loss.items():
-        estimate.interval = _jackknife(estimate.value, [f.loss[arch].value for f in left_out], t)
+        estimate.interval = frontier.seed_interval(estimate.value, [f.loss[arch].value for f in left_out], t)[1]
     for arch, estimate in result.k.items():
         values = [estimate.value, *(f.k[arch].value for f in left_out)]
         if all(v is not None and 0 < v < math.inf for v in values):
-            ln_low, ln_high = _jackknife(math.log(values[0]), [math.log(v) for v in values[1:]], t)
-            estimate.interval = (math.exp(ln_low), math.exp(ln_high))
+            estimate.interval = frontier.seed_interval(values[0], values[1:], t, ratio=True)[1]
     return result
 
 
@@ -153,11 +152,6 @@ def _point(runs: Sequence[frontier.RunResult], baseline: str, budget: float) -> 
         k[arch] = Estimate(None if reached is None else reached / budget)
     budgets = sorted({r.budget for r in runs})
     return Forecast(budget, baseline, sorted({r.seed for r in runs}), budgets, laws, loss, k)
-
-
-def _jackknife(estimate: float, left_out: list[float], t: float) -> tuple[float, float]:
-    half = t * math.sqrt((len(left_out) - 1) * np.var(left_out))
-    return estimate - half, estimate + half
 
 
 def markdown(forecast: Forecast, measured: frontier.Verdict | None = None) -> str:
@@ -182,12 +176,7 @@ def markdown(forecast: Forecast, measured: frontier.Verdict | None = None) -> st
 
 def _shown(estimate: Estimate | None, form: str = ".3g") -> str:
     """A value and its interval; "" where there is none to show (a baseline's k), "n/a" where it was not found."""
-    if estimate is None:
-        return ""
-    if estimate.value is None:
-        return "n/a"
-    low_high = "" if estimate.interval is None else f" [{estimate.interval[0]:{form}}, {estimate.interval[1]:{form}}]"
-    return f"{estimate.value:{form}}{low_high}"
+    return "" if estimate is None else frontier.with_interval(estimate.value, estimate.interval, form)
 
 
 # ---- pre-registration ----------------------------------------------------------------------------------------------

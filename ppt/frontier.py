@@ -157,14 +157,12 @@ def verdict(runs: Sequence[RunResult], baseline: str, analysis: Analysis = Analy
     replicates = [_estimate(cells, baseline, np.eye(n)[i] if alone else 1 - np.eye(n)[i], analysis) for i in range(n)]
     t = t_quantile(0.975, n - 1)
     for i, o in enumerate(optima):
-        size, size_interval = _interval(math.log(o.size), [math.log(r[0][i].size) for r in replicates], t, alone)
-        o.size, o.size_interval = math.exp(size), tuple(map(math.exp, size_interval))
-        o.loss, o.loss_interval = _interval(o.loss, [r[0][i].loss for r in replicates], t, alone)
+        o.size, o.size_interval = seed_interval(o.size, [r[0][i].size for r in replicates], t, alone, ratio=True)
+        o.loss, o.loss_interval = seed_interval(o.loss, [r[0][i].loss for r in replicates], t, alone)
     for i, m in enumerate(multipliers):
         ks = [r[1][i].k for r in replicates]
         if all(k is not None and 0 < k < math.inf for k in [m.k, *ks]):
-            ln_k, interval = _interval(math.log(m.k), [math.log(k) for k in ks], t, alone)
-            m.k, m.interval = math.exp(ln_k), tuple(map(math.exp, interval))
+            m.k, m.interval = seed_interval(m.k, ks, t, alone, ratio=True)
         elif m.k is not None:
             m.flags.append(f"no interval: a fit with one seed {'alone' if alone else 'left out'} has no crossing")
     return Verdict(baseline, seeds, optima, multipliers)
@@ -365,9 +363,15 @@ def _reach(frontier: list[tuple[float, float]], loss: float, quadratic: bool) ->
     return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), ["extrapolated"], range(i, i + 2)
 
 
-def _interval(estimate: float, replicates: list[float], t: float, alone: bool) -> tuple[float, tuple[float, float]]:
+def seed_interval(
+    estimate: float, replicates: list[float], t: float, alone: bool = False, ratio: bool = False
+) -> tuple[float, tuple[float, float]]:
     """(centre, 95% interval): the estimate -+ t * the jackknife standard error over the n leave-one-seed-out values
-    (step 4); `alone`: the mean of the n seeds' own values -+ t * its standard error (step 5)."""
+    (step 4); `alone`: the mean of the n seeds' own values -+ t * its standard error (step 5); `ratio`: all of it on
+    ln values, returned as ratios (positive values only)."""
+    if ratio:
+        centre, (low, high) = seed_interval(math.log(estimate), [math.log(r) for r in replicates], t, alone)
+        return math.exp(centre), (math.exp(low), math.exp(high))
     n, variance = len(replicates), np.var(replicates)  # var: the mean squared deviation
     centre = float(np.mean(replicates)) if alone else estimate
     half = t * math.sqrt(variance / (n - 1) if alone else (n - 1) * variance)
@@ -377,7 +381,8 @@ def _interval(estimate: float, replicates: list[float], t: float, alone: bool) -
 # ---- report --------------------------------------------------------------------------------------------------------
 
 
-def _with_interval(value: float | None, interval: tuple[float, float] | None, form: str = ".3g") -> str:
+def with_interval(value: float | None, interval: tuple[float, float] | None, form: str = ".3g") -> str:
+    """A value and its interval, as markdown shows them; "n/a" for no value."""
     if value is None:
         return "n/a"
     return f"{value:{form}}" + ("" if interval is None else f" [{interval[0]:{form}}, {interval[1]:{form}}]")
@@ -390,8 +395,8 @@ def markdown(result: Verdict) -> str:
     header = "| arch | budget | size* | loss* (bpb) | FLOPs | tokens | GPU-s | flags |"
     lines = [f"### IsoFLOP optima ({note})", "", header, "|---|---|---|---|---|---|---|---|"]
     for o in result.optima:
-        cells = [_with_interval(o.size, o.size_interval), _with_interval(o.loss, o.loss_interval, ".4f")]
-        cells += [_with_interval(o.at[u], None) for u in UNITS] + [", ".join(o.flags)]
+        cells = [with_interval(o.size, o.size_interval), with_interval(o.loss, o.loss_interval, ".4f")]
+        cells += [with_interval(o.at[u], None) for u in UNITS] + [", ".join(o.flags)]
         lines.append(f"| {o.arch} | {o.budget:.3g} | {' | '.join(cells)} |")
     lines += ["", f"### Compute multiplier k against {result.baseline} ({note})", "",
               f"k: the architecture reaches {result.baseline}'s IsoFLOP-optimal loss at k times its FLOPs, tokens or "
@@ -401,7 +406,7 @@ def markdown(result: Verdict) -> str:
     for arch, budget in dict.fromkeys((m.arch, m.budget) for m in result.multipliers):
         cells, notes = [], []
         for m in (by_key.get((arch, budget, unit)) for unit in UNITS):
-            cells.append("not measured" if m is None else _with_interval(m.k, m.interval))
+            cells.append("not measured" if m is None else with_interval(m.k, m.interval))
             notes += [] if m is None else [f"{m.unit}: {flag}" for flag in m.flags]
         lines.append(f"| {arch} | {budget:.3g} | {' | '.join(cells)} | {'; '.join(notes)} |")
     return "\n".join(lines) + "\n"
@@ -417,7 +422,7 @@ def robustness_markdown(rows: list[Robustness]) -> str:
              "is clear only where every interval excludes 1.", "",
              f"| arch | baseline budget | {names} | verdict |", "|---" * (len(ANALYSES) + 3) + "|"]  # fmt: skip
     for r in rows:
-        cells = ["n/a" if m is None else "no crossing" if m.k is None else _with_interval(m.k, m.interval, ".3f")
+        cells = ["n/a" if m is None else "no crossing" if m.k is None else with_interval(m.k, m.interval, ".3f")
                  for m in r.by_analysis.values()]  # fmt: skip
         lines.append(f"| {r.arch} | {r.budget:.3g} | {' | '.join(cells)} | {r.verdict} |")
     return "\n".join(lines) + "\n"
