@@ -122,12 +122,11 @@ def predict(runs: Sequence[frontier.RunResult], baseline: str, budget: float) ->
     below = [r for r in runs if r.budget < budget]
     if not below:
         raise PPTError(f"no runs below {budget:.3g} FLOPs to predict it from: pass the smaller budgets' runs")
-    seeds = sorted({r.seed for r in below})
     result = _point(below, baseline, budget)
-    if len(seeds) == 1:
+    if len(result.seeds) == 1:
         return result
-    left_out = [_point([r for r in below if r.seed != seed], baseline, budget) for seed in seeds]
-    t = frontier.t_quantile(0.975, len(seeds) - 1)
+    left_out = [_point([r for r in below if r.seed != seed], baseline, budget) for seed in result.seeds]
+    t = frontier.t_quantile(0.975, len(result.seeds) - 1)
     for arch, estimate in result.loss.items():
         estimate.interval = frontier.seed_interval(estimate.value, [f.loss[arch].value for f in left_out], t)[1]
     for arch, estimate in result.k.items():
@@ -146,12 +145,9 @@ def _point(runs: Sequence[frontier.RunResult], baseline: str, budget: float) -> 
         laws[arch] = fit_law([o.at["flops"] for o in optima], [o.loss for o in optima])
         laws[arch].flags += [f"{o.budget:.3g}'s optimum {flag}" for o in optima for flag in o.flags]
     loss = {arch: Estimate(law.loss(budget)) for arch, law in laws.items()}
-    k = {}
-    for arch in (a for a in laws if a != baseline):
-        reached = laws[arch].compute(loss[baseline].value)
-        k[arch] = Estimate(None if reached is None else reached / budget)
-    budgets = sorted({r.budget for r in runs})
-    return Forecast(budget, baseline, sorted({r.seed for r in runs}), budgets, laws, loss, k)
+    reached = {arch: law.compute(loss[baseline].value) for arch, law in laws.items() if arch != baseline}
+    k = {arch: Estimate(None if compute is None else compute / budget) for arch, compute in reached.items()}
+    return Forecast(budget, baseline, sorted({r.seed for r in runs}), sorted({r.budget for r in runs}), laws, loss, k)
 
 
 def markdown(forecast: Forecast, measured: frontier.Verdict | None = None) -> str:
