@@ -70,11 +70,8 @@ def _roofline_table(step: Cost, seconds: dict[OpKey, tuple[float, float]], group
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # flops, bytes, time, memory-bound time
     for key, (flops, nbytes) in step.ops.items():
         compute, memory = seconds[key]
-        totals = sums[group(key)]
-        totals[0] += flops
-        totals[1] += nbytes
-        totals[2] += max(compute, memory)
-        totals[3] += memory if memory > compute else 0.0
+        added = (flops, nbytes, max(compute, memory), memory if memory > compute else 0.0)
+        sums[group(key)] = [total + x for total, x in zip(sums[group(key)], added)]
     step_seconds = sum(totals[2] for totals in sums.values())
     body = []
     for name, (flops, nbytes, time, memory_bound) in sorted(sums.items(), key=lambda kv: -kv[1][2]):
@@ -92,8 +89,7 @@ def report(step: Cost, device: str | torch.device | Device, dtype: torch.dtype, 
         f"(N = {si(step.params_matmul)} matmul params) + attention {si(step.attention_flops_per_token)}",
         f"FLOPs/token, 6N only:        {si(step.flops_per_token_6n)}",
     ]
-    found = find_device(device)
-    if found is None:
+    if (found := find_device(device)) is None:
         return "\n".join([*lines, "", f"device {device}: peak rates unknown, no roofline"])
     name = dtype_name(dtype).upper()
     peaks = [(c, [si(found.peak(c, dtype) or 0), si(found.bandwidth), si(found.knee(c, dtype) or 0)])
