@@ -205,8 +205,7 @@ def ngram_bpb(
         return float(-np.log(p[counted]).sum() / (math.log(2) * total_bytes)) if total_bytes else float("nan")
 
     scores = {order_name(n): bpb(p) for n, p in enumerate(probabilities, 1)}
-    best = min(scores, key=scores.__getitem__)
-    return {**scores, "best": best, "tokens": nbytes.size, "bytes": int(total_bytes)}
+    return {**scores, "best": min(scores, key=scores.__getitem__), "tokens": nbytes.size, "bytes": int(total_bytes)}
 
 
 def in_ngram_regime(bpb: float, counts: Mapping[str, float | int | str], margin: float = NGRAM_MARGIN) -> bool:
