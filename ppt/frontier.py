@@ -231,9 +231,7 @@ def robustness(runs: Sequence[RunResult], baseline: str, unit: str = "flops", fl
     return rows
 
 
-def widened_multipliers(
-    runs: Sequence[RunResult], baseline: str, analysis: Analysis = Analysis(), floor: float = 0.0
-) -> list[Multiplier]:
+def widened_multipliers(runs: Sequence[RunResult], baseline: str, analysis: Analysis, floor: float) -> list[Multiplier]:
     """verdict(runs, baseline, analysis)'s multipliers, each interval widened by the rerun floor (step 6): to the
     envelope of the intervals with every other architecture's losses shifted by -floor, 0 and +floor."""
     result = verdict(runs, baseline, analysis).multipliers
@@ -382,7 +380,6 @@ def seed_interval(
 
 
 def with_interval(value: float | None, interval: tuple[float, float] | None, form: str = ".3g") -> str:
-    """A value and its interval, as markdown shows them; "n/a" for no value."""
     if value is None:
         return "n/a"
     return f"{value:{form}}" + ("" if interval is None else f" [{interval[0]:{form}}, {interval[1]:{form}}]")
