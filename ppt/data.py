@@ -269,8 +269,7 @@ class DataLoader:
         return counts
 
     def _to_device(self, batch: Batch) -> Batch:
-        inputs, targets, doc_pos = (t.to(self.device, non_blocking=True) for t in batch)
-        return inputs, targets, doc_pos
+        return tuple(t.to(self.device, non_blocking=True) for t in batch)
 
     def close(self) -> None:
         """Stop the prefetch thread (the next `next()` starts again from the current state)."""

@@ -85,7 +85,6 @@ def _init_worker(tokenizer_json: str, name: str) -> None:
 
 
 def _encode_in_worker(texts: list[str]) -> Encoded:
-    assert _worker_tokenizer is not None, "worker used before _init_worker"
     return encode_documents(_worker_tokenizer, texts)
 
 
@@ -123,8 +122,7 @@ def encode_in_order(
     At most 2 * workers batches are in flight, so a streamed corpus is never read far ahead into memory.
     """
     if pool is None:
-        for texts in batches:
-            yield encode_documents(tokenizer, texts)
+        yield from (encode_documents(tokenizer, texts) for texts in batches)
         return
     pending: deque[AsyncResult] = deque()
     for texts in batches:
@@ -185,8 +183,7 @@ class ShardWriter:
 
     @staticmethod
     def finished(meta: dict, target_shards: int | None) -> bool:
-        shards = meta["train"]["shards"]
-        return meta["progress"]["exhausted"] or (target_shards is not None and shards >= target_shards)
+        return meta["progress"]["exhausted"] or (target_shards is not None and meta["train"]["shards"] >= target_shards)
 
     def remember(self, texts: Iterable[str]) -> None:
         """Resuming: take the digests of the documents the finished shards consumed, so their copies are dropped."""

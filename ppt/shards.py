@@ -250,9 +250,8 @@ def dataset_fingerprint(data_dir: str | Path) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
-def out_of_vocab(path: str | Path, token_id: int, vocab_size: int, where: str = "") -> str:
+def out_of_vocab(path: str | Path, token_id: int, vocab_size: int) -> str:
     return (
-        f"{path} holds token id {token_id}{where}, but the model's vocabulary has {vocab_size} ids (0 to "
-        f"{vocab_size - 1}); the shard was made by another tokenizer or is damaged: prepare the data again into an "
-        "empty --out"
+        f"{path} holds token id {token_id}, but the model's vocabulary has {vocab_size} ids (0 to {vocab_size - 1}); "
+        "the shard was made by another tokenizer or is damaged: prepare the data again into an empty --out"
     )

@@ -89,9 +89,8 @@ def _folder_files(folder: Path) -> list[Path]:
 
 # Modules never imported for the demo corpus: they act on import (open a browser, print, start a GUI, read config
 # files, set up the terminal), are deprecated shims whose content depends on what else is installed, or are tests.
-# (pydoc_data's topics are taken whole, not as a module)
 DEMO_SKIP_MODULES = {"antigravity", "this", "idlelib", "turtle", "turtledemo", "readline", "lib2to3", "distutils"}
-DEMO_SKIP_MODULES |= {"pydoc_data"}
+DEMO_SKIP_MODULES |= {"pydoc_data"}  # its help() topics are taken whole, not as a module
 
 DEMO_SKIP_PARTS = {"test", "tests", "idle_test"}
 MIN_DEMO_TEXT = 20  # characters: shorter docstrings and comments ("Return self==value.") carry little text
@@ -142,8 +141,7 @@ def _stdlib_module_names() -> list[str]:
     pending = sorted(name for name in sys.stdlib_module_names if public(name) and name not in DEMO_SKIP_MODULES)
     while pending:
         name = pending.pop()
-        module = _quiet_import(name)
-        if module is None:
+        if (module := _quiet_import(name)) is None:
             continue
         found.append(name)
         submodules = pkgutil.iter_modules(getattr(module, "__path__", []), prefix=f"{name}.")

@@ -147,8 +147,6 @@ def load_tokenizer(name_or_path: str | Path = DEFAULT_TOKENIZER) -> Tokenizer:
 def train_bpe(texts: Iterable[str], vocab_size: int, name: str, is_demo: bool = False) -> Tokenizer:
     """Train a byte-level BPE on `texts` (EOT is id 0, like cosmo2), deterministically for the same texts. A corpus
     with fewer distinct merges than asked for gives a smaller vocabulary; `vocab_size` of the result says which."""
-    if vocab_size < 258:
-        raise PPTError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs 256 bytes + EOT, use >= 258")
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

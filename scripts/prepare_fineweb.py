@@ -291,22 +291,21 @@ def plan(args: argparse.Namespace, job: Job) -> tuple[Tokenizer, dict, CorpusSiz
 
 def resumed_tokenizer(args: argparse.Namespace, job: Job, meta: dict) -> Tokenizer:
     """The tokenizer that made the finished shards, once the flags are checked against what made them."""
-    out = job.out
-    tokenizer = load_data_tokenizer(out)
+    tokenizer = load_data_tokenizer(job.out)
     if job.kind == "demo" and tokenizer.vocab_size != (args.vocab_size or DEFAULT_VOCAB):
-        raise PPTError(f"{out} holds a demo tokenizer of vocab {tokenizer.vocab_size}; pass another --out")
+        raise PPTError(f"{job.out} holds a demo tokenizer of vocab {tokenizer.vocab_size}; pass another --out")
     origin = meta["tokenizer"]["origin"] or {}
     trained = origin.get("kind") == "trained on this corpus"
     if args.train_tokenizer and (not trained or args.vocab_size not in (None, origin.get("vocab_size_asked"))):
         raise PPTError(
-            f"{out} was prepared with tokenizer {tokenizer.name}, not one trained here with these settings; "
+            f"{job.out} was prepared with tokenizer {tokenizer.name}, not one trained here with these settings; "
             "pass another --out, or delete the directory to start over"
         )
     requested = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer
     shard_tokens = args.shard_tokens or meta["settings"]["shard_tokens"]
     val_tokens = args.val_tokens or meta["settings"]["val_tokens"]
     expected = new_meta(job.source, requested, shard_tokens, val_tokens, args.shuffle_seed)
-    check_resumable(out, meta, expected)
+    check_resumable(job.out, meta, expected)
     return tokenizer
 
 
