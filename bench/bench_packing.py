@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         study.params, study.min_tokens = warm.params, warm.min_tokens
         shutil.rmtree(study.out, ignore_errors=True)
         wall = train_all(study, runs, LocalPool(gpus, k))
-        records = {run.name: RunRecord.load(study.run_dir(run) / f"{grid.name}-{run.name}.json") for run in runs}
+        records = {run.name: study.record(run) for run in runs}
         tokens = sum(r.tokens for r in records.values())
         same = [name for name, r in records.items() if losses(r) == reference.setdefault(name, losses(r))]
         walls = {name: round(r.wall_time_s, 1) for name, r in records.items()}

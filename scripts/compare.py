@@ -257,15 +257,10 @@ def budget_notes(settings: list[Setting]) -> list[str]:
 
 
 def table(
-    settings: list[Setting],
-    baseline: Setting,
-    differing: list[str],
-    regimes: dict[str, float] | None = None,
-    times: bool = True,
+    settings: list[Setting], baseline: Setting, differing: list[str], regimes: dict[str, float], times: bool = True
 ) -> str:
     """The markdown table, one row per setting; `regimes` (count-model bpb of the val tokens) add rows; `times`: the
     runs' wall time and tokens/s (a study leaves them out: they depend on what trained beside each run)."""
-    regimes = regimes or {}
     benchmarks = list(dict.fromkeys(label for s in settings for r in s.runs for label in r.benchmark_scores()))
     header = ["setting", "seeds", "params", "tokens", "comparison FLOPs", "val bpb",
               f"Δ bpb vs {baseline.label} (95% CI)", "paired Δ (95% CI)", *["wall time", "tok/s"] * times,
@@ -376,7 +371,7 @@ def compare(
 ) -> str:
     """The comparison table (markdown) of runs given as tags, manifest paths or globs."""
     settings, differing = load_settings(runs, allow_mismatch)
-    return table(settings, pick_baseline(settings, baseline), differing, regimes)
+    return table(settings, pick_baseline(settings, baseline), differing, regimes or {})
 
 
 def load_settings(runs: list[str | Path], allow_mismatch: bool) -> tuple[list[Setting], list[str]]:
@@ -397,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     plot_path = plot_file(args.plot or cache_dir() / "reports" / "compare.png")
     settings, differing = load_settings(args.runs, args.allow_mismatch)
-    print0(table(settings, pick_baseline(settings, args.baseline), differing))
+    print0(table(settings, pick_baseline(settings, args.baseline), differing, {}))
     plot(settings, plot_path)  # after the table: a plot that cannot be written loses none of its numbers
     print0(f"\nplot: {plot_path}")
 

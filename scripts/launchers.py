@@ -14,6 +14,7 @@ at a step's end with a checkpoint saved; None: the process or job vanished witho
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import getpass
 import json
@@ -166,10 +167,8 @@ class LocalPool:
 
     def stop(self, job: Job) -> None:
         """Ask a run to stop: base_train ends its step, saves a checkpoint and exits."""
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it has ended meanwhile
             os.kill(job.handle, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
 
     def adopt(self, runs: dict[str, Path]) -> list[Job]:
         """Runs of an earlier study on this machine still stopping (their server died with it, so they got SIGTERM):
@@ -235,12 +234,6 @@ class SlurmLauncher:
         where = f"partition {self.settings.partition}" if self.settings.partition else "the default partition"
         return f"one Slurm job a run on {where}, {self.settings.time_min} min each; submitit's files in {self.folder}"
 
-    def _recorded(self) -> dict[str, str]:
-        try:
-            return json.loads(self.jobs_file.read_text())
-        except FileNotFoundError:
-            return {}
-
     def _record(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         with atomic_file(self.jobs_file) as f:
@@ -272,10 +265,7 @@ class SlurmLauncher:
     def wait(self, timeout: float) -> list[tuple[Job, int | None]]:
         time.sleep(max(timeout, SLURM_POLL_S))
         alive = self.alive()
-        done = []
-        for job_id in [i for i in self.running if i not in alive]:
-            job = self.running.pop(job_id)
-            done.append((job, self._exit_status(job_id)))
+        done = [(self.running.pop(i), self._exit_status(i)) for i in list(self.running) if i not in alive]
         if done:
             self._record()
         return done
@@ -296,8 +286,12 @@ class SlurmLauncher:
 
     def adopt(self, runs: dict[str, Path]) -> list[Job]:
         """The jobs an earlier study submitted that Slurm still has: followed, not submitted again."""
+        try:
+            recorded = json.loads(self.jobs_file.read_text())
+        except FileNotFoundError:
+            recorded = {}
         alive = self.alive()
-        for name, job_id in self._recorded().items():
+        for name, job_id in recorded.items():
             if job_id in alive and name in runs:
                 self.running[job_id] = Job(name, f"Slurm job {job_id}", handle=job_id)
         self._record()

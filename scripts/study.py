@@ -98,6 +98,7 @@ from scripts.launchers import Job, LocalPool, SlurmLauncher, SlurmSettings, chos
 # Flags the study sets itself for every run; a grid that passed them would make runs that are not what they say
 OWNED_FLAGS = ("--config", "--depth", "--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops",
                "--target-tokens", "--tag", "--out-dir", "--resume", "--from-manifest", "--deterministic")  # fmt: skip
+SLURM_FLAGS = ("partition", "time_min", "gpus_per_run", "cpus_per_run", "account", "sbatch")  # the [slurm] keys
 GRID_KEYS = ("name", "data_dir", "seeds", "budgets", "baseline", "sizes_per_budget", "tokens_per_param", "max_epochs",
              "args", "arch", "slurm")  # fmt: skip
 # Runs a GPU trains at once by default: the mixed study's runs are launch- and compile-bound, and 4 at once trained a
@@ -343,12 +344,9 @@ class Study:
         """--report: what measure_sizes and the count baselines read from the data, from study.json instead."""
         try:
             saved = json.loads((self.out / "study.json").read_text())
-            self.params, self.train_tokens, self.min_tokens = (
-                saved["params"],
-                saved["train_tokens"],
-                saved["min_tokens"],
-            )
-            self.data_fingerprint, self.decisions["baselines"] = saved["data_fingerprint"], saved["baselines"]
+            self.params, self.train_tokens = saved["params"], saved["train_tokens"]
+            self.min_tokens, self.data_fingerprint = saved["min_tokens"], saved["data_fingerprint"]
+            self.decisions["baselines"] = saved["baselines"]
         except (OSError, ValueError, KeyError) as exc:
             raise PPTError(f"--report reads {self.out / 'study.json'} as a finished study wrote it ({exc!r}); run the "
                            "study (without --report) with its data once") from None  # fmt: skip
@@ -468,8 +466,7 @@ class Study:
         """Why the size cannot train at the budget, or None."""
         tokens = self.tokens_at(size, budget)
         if tokens > self.grid.max_epochs * self.train_tokens:
-            epochs = tokens / self.train_tokens
-            return f"would read {epochs:.2g} epochs, over max_epochs {self.grid.max_epochs:g}"
+            return f"would read {tokens / self.train_tokens:.2g} epochs, over max_epochs {self.grid.max_epochs:g}"
         if tokens < (least := self.min_tokens[arch.name]):
             return f"would read {tokens:,.0f} tokens, less than one step and the warmup ({least:,.0f})"
         return None
@@ -496,16 +493,13 @@ class Study:
                            f"sizes_per_budget ({few(why)}): change the sizes or the budget")  # fmt: skip
         return [s for s in arch.sizes if s in chosen]
 
-    def first_budget(self, arch: Arch, size: str, budget: float) -> float:
-        """The smallest budget that trains the size: a smaller one whose sizes (decided first) hold it, or this one."""
-        return next((b for b in self.grid.budgets if b < budget and size in self.decided_sizes(arch, b)), budget)
-
     def rate_at(self, arch: Arch, size: str, budget: float) -> tuple[float | None, list[Run]]:
         """(the size's learning rate at a budget, the runs still needed to decide it; None until decided). Swept at
         the smallest budget that trains the size, then checked at each budget it trains at RATE_CHECK times (or more)
         the FLOPs of the budget it was last swept at: seed 0 at the rate and one neighbour each side, which is a
         sweep there, extended past a neighbour that wins. A grid of one rate (no sweep) is not checked."""
-        swept_at = self.first_budget(arch, size, budget)
+        # the smallest budget that trains the size: a smaller one whose sizes (decided first) hold it, or this one
+        swept_at = next((b for b in self.grid.budgets if b < budget and size in self.decided_sizes(arch, b)), budget)
         lr, sweep = self.rate(arch, size, swept_at, arch.lrs, f"{arch.name} {size}")
         step = arch.lrs[1] / arch.lrs[0] if len(arch.lrs) > 1 else None
         cell = f"{arch.name} {size} {budget:.3g}"
@@ -706,8 +700,7 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
                     outcome += f"; its log: {study.log(run)}"
                 elif outcome.startswith("failed"):
                     outcome += "; trying it once more, resumed"
-                counts = f"{len(study.finished)} done, {len(running)} running"
-                progress.ended(run, job, outcome, counts)
+                progress.ended(run, job, outcome, f"{len(study.finished)} done, {len(running)} running")
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -947,13 +940,8 @@ def write_results(study: Study, grid_path: Path) -> str:
     for key, rate in sorted(study.decisions["rates"].items(), key=lambda item: study.cell_order(item[0])):
         sweep = ", ".join(f"{float(lr):g}: {x:.4f}" for lr, x in rate["sweep"].items())
         text.append(f"| {key} | {rate['swept_at']:.3g} | {sweep} | {rate['lr']:g}{' (at an edge)' * rate['at_edge']} |")
-    text += [
-        "",
-        "Each cell's rate and where it was chosen (checked at a budget 5x or more its sweep's FLOPs):",
-        "",
-        "| architecture size | budget | rate | chosen at |",
-        "|---|---|---|---|",
-    ]
+    text += ["", "Each cell's rate and where it was chosen (checked at a budget 5x or more its sweep's FLOPs):\n"]
+    text.append("| architecture size | budget | rate | chosen at |\n|---|---|---|---|")
     for cell, rate in sorted(study.decisions["rate_at"].items(), key=lambda item: study.cell_order(item[0])):
         *name, budget = cell.split()
         pending = f"; its check at {rate['check_pending_at']:.3g} has runs left" if "check_pending_at" in rate else ""
@@ -1008,18 +996,16 @@ def study_main(args: argparse.Namespace) -> int:
             if study.plan():
                 raise PPTError(f"{out} has runs left to train; finish the study before timing its sizes")
             time_sizes(study, launcher, args.time)
-            print(write_results(study, args.grid))
+        else:
+            ended = execute(study, launcher, None if args.deadline is None else time.time() + args.deadline)
             study.save(args.grid)
-            return 0
-        ended = execute(study, launcher, None if args.deadline is None else time.time() + args.deadline)
-        study.save(args.grid)
-        if ended != "complete":
-            left = len(study.plan())
-            print(f"{ended}: {left} or more runs left; rerun the same command to continue", flush=True)
-            return {"deadline": 3, "stopped": 128 + signal.SIGINT, "failed": 1}[ended]
+            if ended != "complete":
+                print(f"{ended}: {len(study.plan())} or more runs left; rerun the same command to continue", flush=True)
+                return {"deadline": 3, "stopped": 128 + signal.SIGINT, "failed": 1}[ended]
         print(write_results(study, args.grid))
         study.save(args.grid)  # with the count baselines the results computed
-        print(f"\nstudy record: {out / 'study.json'}\nresults: {out / 'results.md'}\nplot: {out / 'frontier.png'}")
+        if not args.time:
+            print(f"\nstudy record: {out / 'study.json'}\nresults: {out / 'results.md'}\nplot: {out / 'frontier.png'}")
         return 0
     finally:
         release_locks()
@@ -1036,9 +1022,6 @@ def make_launcher(args: argparse.Namespace, grid: Grid, out: Path) -> LocalPool 
                        f"--launcher slurm to follow them, or cancel them first: scancel {jobs}")  # fmt: skip
     gpus = chosen_gpus(args.gpus)
     return LocalPool(gpus, 1 if args.time else args.runs_per_gpu or (RUNS_PER_GPU if gpus else 1))
-
-
-SLURM_FLAGS = ("partition", "time_min", "gpus_per_run", "cpus_per_run", "account", "sbatch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1068,11 +1051,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--gpus-per-run", type=nonneg_int, help="slurm: GPUs a job asks for (default 1; 0 for CPU runs)")
     g.add_argument("--cpus-per-run", type=positive_int, help="slurm: CPUs a job asks for (default Slurm's)")
     g.add_argument("--account", help="slurm: the account jobs are charged to")
-    g.add_argument(
-        "--sbatch",
-        action="append",
-        help="slurm: another sbatch flag for every job, e.g. --sbatch=--qos=high (repeatable)",
-    )
+    g.add_argument("--sbatch", action="append", help="slurm: another sbatch flag for every job, e.g. "
+                   "--sbatch=--qos=high (repeatable)")  # fmt: skip
     return study_main(p.parse_args(argv))
 
 
