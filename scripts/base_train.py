@@ -147,11 +147,10 @@ class Trainer:
     def resumed_state(self) -> dict[str, Any]:
         """The checkpoint --resume names, loaded into the model, optimizer, loader and RNGs ({} for a fresh run)."""
         s, rt = self.settings, self.rt
-        path = None
         if s.resume == "auto":
             path = ckpt.latest_checkpoint(s.out_dir) if rt.is_master else None
-        elif s.resume:
-            path = Path(s.resume)
+        else:
+            path = Path(s.resume) if s.resume else None
         if rt.distributed:  # rank 0 picks, so every rank resumes from the same checkpoint (readable by all)
             chosen = [path]
             torch.distributed.broadcast_object_list(chosen, src=0)

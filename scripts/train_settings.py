@@ -9,8 +9,7 @@ python -m scripts.base_train ... --resume auto             # continue a stopped 
 A run owns its checkpoint directory and its name (--tag) while it runs: a second run with either stops at once.
 """
 # The docstring above is `python -m scripts.base_train --help`. This module holds base_train's flags, recipes and
-# relaunch, and resolves them into one Settings before anything is built; what needs the built model joins them in the
-# run record's TrainSettings (record_settings).
+# relaunch, and resolves them into one Settings before anything is built.
 
 from __future__ import annotations
 
