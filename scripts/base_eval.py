@@ -84,13 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_seq_len(args: argparse.Namespace, record: RunRecord | None, max_seq_len: int) -> int:
-    seq_len = args.seq_len or (record and record.train.seq_len) or min(2048, max_seq_len)
-    if seq_len > max_seq_len:
-        raise PPTError(f"--seq-len {seq_len} exceeds the model's max_seq_len {max_seq_len}; lower --seq-len")
-    return seq_len
-
-
 def resolve_eval_tokens(args: argparse.Namespace, record: RunRecord | None) -> tuple[int, str]:
     """(val token budget, where it comes from): --eval-tokens, else what the training run scored, else the default."""
     if args.eval_tokens:
@@ -250,7 +243,10 @@ def main(argv: list[str] | None = None) -> None:
     model = model_file.build_from_checkpoint(run, rt.device)
     tokenizer, data_dir = load_tokenizer_for(run, args.data_dir)
     record = run.record()
-    seq_len = resolve_seq_len(args, record, model.config.max_seq_len)
+    max_seq_len = model.config.max_seq_len
+    seq_len = args.seq_len or (record and record.train.seq_len) or min(2048, max_seq_len)
+    if seq_len > max_seq_len:
+        raise PPTError(f"--seq-len {seq_len} exceeds the model's max_seq_len {max_seq_len}; lower --seq-len")
     budget, budget_source = resolve_eval_tokens(args, record)
     origin = "Hugging Face folder" if run.hf_dir else f"step {run.state.get('step')}"
     print0(
@@ -262,22 +258,14 @@ def main(argv: list[str] | None = None) -> None:
         # found and checked now: an unknown or generative task stops the run before its bits-per-byte pass
         tasks = None
         if not args.skip_tasks:
-            tasks = chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir), model.config.max_seq_len)
+            tasks = chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir), max_seq_len)
         # what contexts start with: EOT; an imported folder's, as its own tokenizer starts a text (its BOS, or nothing)
         prefix = None if tasks is None else context_prefix(run, tokenizer)
         started = time.time()
         val = DataLoader(
-            data_dir,
-            "val",
-            args.batch_size,
-            seq_len,
-            rt.rank,
-            rt.world_size,
-            0,
-            rt.device,
-            expected_fingerprint=tokenizer.fingerprint,
-            vocab_size=model.config.vocab_size,
-        )
+            data_dir, "val", args.batch_size, seq_len, rt.rank, rt.world_size, 0, rt.device,
+            expected_fingerprint=tokenizer.fingerprint, vocab_size=model.config.vocab_size,
+        )  # fmt: skip
         if shortfall := val.budget_shortfall(budget):
             warn0(shortfall)
         n_batches = -(-val.val_rows(budget) // args.batch_size)
