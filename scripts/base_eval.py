@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 import ppt.model
@@ -139,27 +138,6 @@ def chosen_tasks(
     manager = evals.task_manager(include, include_defaults=protocol != "demo")
     evals.check_tasks(manager, benchmarks)
     return Tasks(benchmarks, protocol, manager)
-
-
-def benchmark(
-    args: argparse.Namespace,
-    tasks: Tasks,
-    model: torch.nn.Module,
-    tokenizer: Tokenizer,
-    device: torch.device,
-    dtype: torch.dtype,
-    prefix: list[int],
-) -> dict[str, Any] | None:
-    """The tasks' results; None on ranks other than 0."""
-    from ppt import evals
-
-    lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size, prefix=prefix)
-    limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
-    results = evals.run_benchmarks(lm, tasks.benchmarks, tasks.manager, limit=limit)
-    if results is not None:
-        results |= {"protocol": tasks.protocol, "context_prefix": prefix}
-        results["shots"] = {b.label: b.num_fewshot for b in tasks.benchmarks}
-    return results
 
 
 def table(bpb: dict[str, float], bench: dict[str, Any] | None) -> str:
@@ -273,7 +251,16 @@ def main(argv: list[str] | None = None) -> None:
         batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=quiet)
         bpb_model = maybe_compile(model, args.compile, rt.device)
         bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
-        bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype, prefix)
+        bench = None  # the tasks' results, on rank 0
+        if tasks is not None:
+            from ppt import evals
+
+            lm = evals.PPTLM(model, tokenizer, rt.device, rt.dtype, batch_size=args.batch_size, prefix=prefix)
+            limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
+            bench = evals.run_benchmarks(lm, tasks.benchmarks, tasks.manager, limit=limit)
+            if bench is not None:
+                bench |= {"protocol": tasks.protocol, "context_prefix": prefix}
+                bench["shots"] = {b.label: b.num_fewshot for b in tasks.benchmarks}
 
     if rt.is_master:
         print0(table(bpb, bench))
