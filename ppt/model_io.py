@@ -127,8 +127,7 @@ def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | No
     if checkpoint:
         path = Path(checkpoint).expanduser()
         if path.is_dir():
-            found = ckpt.latest_checkpoint(path)
-            if found is None:
+            if (found := ckpt.latest_checkpoint(path)) is None:
                 raise PPTError(f"no complete checkpoint (step_*.pt) in {path}; pass a checkpoint file")
             path = found
         if not path.is_file():
