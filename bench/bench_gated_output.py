@@ -7,8 +7,7 @@ Two implementations, fwd and fwd+bwd, bf16, each under torch.compile as the mode
 PyTorch: inductor's fused elementwise kernels and two cuBLAS matmuls, one more in the backward) and the op
 `ppt::gated_output` (gated_output_triton.py's forward kernel; its backward torch ops fused by inductor). Prints the
 device time of each (its kernels' own time by torch.profiler, over 10 calls) and the wall time of a call
-(triton.testing.do_bench, median), and the error of each against float64 on a slice of the rows. (`--sweep`, the
-forward kernel's candidate blocks, was removed at f6f05c4; run it from that commit.)
+(triton.testing.do_bench, median), and the error of each against float64 on a slice of the rows.
 """
 
 from __future__ import annotations

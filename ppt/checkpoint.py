@@ -19,12 +19,11 @@ _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
-    return Path(directory) / f"step_{step:08d}.pt"
+    return directory / f"step_{step:08d}.pt"
 
 
 def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete-looking checkpoint file, oldest first."""
-    directory = Path(directory)
     if not directory.is_dir():
         return []
     return sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)))
@@ -46,7 +45,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: int = 0) -> Path:
     """Write payload atomically as step_<step>.pt; then, and only then, prune to the newest `keep` (0 keeps all)."""
-    directory = Path(directory)
     final = checkpoint_path(directory, step)
     try:
         with atomic_file(final) as f:
@@ -69,7 +67,6 @@ def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: i
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    path = Path(path)
     if path.is_dir():
         raise PPTError(f"checkpoint {path} is a directory; pass a step_*.pt file in it, or --resume auto")
     if not path.is_file():
@@ -113,7 +110,6 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
 
 def ensure_writable(directory: Path, needed_bytes: int) -> None:
     """Fail before training starts when the output dir is unwritable or lacks room for two checkpoints."""
-    directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".write_probe{os.getpid()}"

@@ -68,8 +68,7 @@ _DTYPES |= {"fp32": torch.float32, "float32": torch.float32}
 
 def autodetect_dtype(device: torch.device) -> torch.dtype:
     """bf16 on CUDA SM80+ and ROCm, fp32 elsewhere; PPT_DTYPE (bf16|fp16|fp32) overrides."""
-    override = os.environ.get("PPT_DTYPE")
-    if override:
+    if override := os.environ.get("PPT_DTYPE"):
         if override.lower() not in _DTYPES:
             raise PPTError(f"PPT_DTYPE={override!r} is not a dtype; use one of bf16, fp16, fp32")
         return _DTYPES[override.lower()]

@@ -333,10 +333,8 @@ class _Trace(TorchDispatchMode):
         """One add per element a scatter-add accumulates; plain gathers, scatters and copies compute nothing."""
         if name not in _ACCUMULATED_ARG:
             return 0
-        if name.startswith(("index_put", "_index_put")):
-            accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
-            if not accumulate:
-                return 0
+        if name.startswith(("index_put", "_index_put")) and not kwargs.get("accumulate", len(args) > 3 and args[3]):
+            return 0  # a put that overwrites
         return args[_ACCUMULATED_ARG[name]].numel()
 
     def _book_custom(self, func, args, kwargs, out, inputs, outputs) -> None:  # noqa: ANN001

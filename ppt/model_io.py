@@ -63,8 +63,7 @@ class ModelFile:
                 f"{', '.join(sorted(classes))}); evaluate it with the model.py it was trained with"
             )
         fields = {f.name for f in dataclasses.fields(classes[name])}
-        extra = sorted(set(saved) - fields - {"class"})
-        if extra:
+        if extra := sorted(set(saved) - fields - {"class"}):
             raise PPTError(
                 f"the checkpoint's {name} has fields {', '.join(extra)} that ppt/model.py's {name} lacks; "
                 "evaluate it with the model.py it was trained with"
@@ -128,8 +127,7 @@ def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | No
     if checkpoint:
         path = Path(checkpoint).expanduser()
         if path.is_dir():
-            found = ckpt.latest_checkpoint(path)
-            if found is None:
+            if (found := ckpt.latest_checkpoint(path)) is None:
                 raise PPTError(f"no complete checkpoint (step_*.pt) in {path}; pass a checkpoint file")
             path = found
         if not path.is_file():
@@ -177,13 +175,10 @@ def load_run(
     if hf_dir:
         if model_tag or checkpoint:
             raise PPTError("a Hugging Face folder names the model on its own: drop --model-tag / --checkpoint")
-        if model_file is None:
-            raise ValueError("load_run(hf_dir=...) needs the model_file that imports the folder")
         return load_hf_folder(hf_dir, model_file)
     path, tag = resolve_checkpoint(model_tag, checkpoint)
     state = ckpt.load_checkpoint(path, map_location="cpu")
-    missing = [key for key in ("model", "config") if key not in state]
-    if missing:
+    if missing := [key for key in ("model", "config") if key not in state]:
         raise PPTError(f"{path} is not a ppt training checkpoint (it lacks {', '.join(missing)})")
     return LoadedRun(path, tag, state)
 

@@ -133,14 +133,8 @@ def gpu_idle_by_host_activity(prof: profile, steps: int, min_gap_us: float = 5.0
     events = prof.events()
     # not the GPU-side ranges of annotations (ProfilerStep#N, Optimizer.step...): each spans its whole region and
     # would hide every gap inside it
-    kernels = sorted(
-        (
-            e
-            for e in events
-            if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start and not e.is_user_annotation
-        ),
-        key=lambda e: e.time_range.start,
-    )
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    kernels = sorted((e for e in kernels if e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
     if not kernels:
         return "no kernels recorded"
     host = [e for e in events if e.device_type == DeviceType.CPU]

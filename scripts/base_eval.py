@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 import ppt.model
@@ -82,13 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("wandb")
     g.add_argument("--no-wandb", action="store_true", help="do not log the scores to the wandb run the record names")
     return p.parse_args(argv)
-
-
-def resolve_seq_len(args: argparse.Namespace, record: RunRecord | None, max_seq_len: int) -> int:
-    seq_len = args.seq_len or (record and record.train.seq_len) or min(2048, max_seq_len)
-    if seq_len > max_seq_len:
-        raise PPTError(f"--seq-len {seq_len} exceeds the model's max_seq_len {max_seq_len}; lower --seq-len")
-    return seq_len
 
 
 def resolve_eval_tokens(args: argparse.Namespace, record: RunRecord | None) -> tuple[int, str]:
@@ -146,27 +138,6 @@ def chosen_tasks(
     manager = evals.task_manager(include, include_defaults=protocol != "demo")
     evals.check_tasks(manager, benchmarks)
     return Tasks(benchmarks, protocol, manager)
-
-
-def benchmark(
-    args: argparse.Namespace,
-    tasks: Tasks,
-    model: torch.nn.Module,
-    tokenizer: Tokenizer,
-    device: torch.device,
-    dtype: torch.dtype,
-    prefix: list[int],
-) -> dict[str, Any] | None:
-    """The tasks' results; None on ranks other than 0."""
-    from ppt import evals
-
-    lm = evals.PPTLM(model, tokenizer, device=device, dtype=dtype, batch_size=args.batch_size, prefix=prefix)
-    limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
-    results = evals.run_benchmarks(lm, tasks.benchmarks, tasks.manager, limit=limit)
-    if results is not None:
-        results |= {"protocol": tasks.protocol, "context_prefix": prefix}
-        results["shots"] = {b.label: b.num_fewshot for b in tasks.benchmarks}
-    return results
 
 
 def table(bpb: dict[str, float], bench: dict[str, Any] | None) -> str:
@@ -250,7 +221,10 @@ def main(argv: list[str] | None = None) -> None:
     model = model_file.build_from_checkpoint(run, rt.device)
     tokenizer, data_dir = load_tokenizer_for(run, args.data_dir)
     record = run.record()
-    seq_len = resolve_seq_len(args, record, model.config.max_seq_len)
+    max_seq_len = model.config.max_seq_len
+    seq_len = args.seq_len or (record and record.train.seq_len) or min(2048, max_seq_len)
+    if seq_len > max_seq_len:
+        raise PPTError(f"--seq-len {seq_len} exceeds the model's max_seq_len {max_seq_len}; lower --seq-len")
     budget, budget_source = resolve_eval_tokens(args, record)
     origin = "Hugging Face folder" if run.hf_dir else f"step {run.state.get('step')}"
     print0(
@@ -262,22 +236,14 @@ def main(argv: list[str] | None = None) -> None:
         # found and checked now: an unknown or generative task stops the run before its bits-per-byte pass
         tasks = None
         if not args.skip_tasks:
-            tasks = chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir), model.config.max_seq_len)
+            tasks = chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir), max_seq_len)
         # what contexts start with: EOT; an imported folder's, as its own tokenizer starts a text (its BOS, or nothing)
         prefix = None if tasks is None else context_prefix(run, tokenizer)
         started = time.time()
         val = DataLoader(
-            data_dir,
-            "val",
-            args.batch_size,
-            seq_len,
-            rt.rank,
-            rt.world_size,
-            0,
-            rt.device,
-            expected_fingerprint=tokenizer.fingerprint,
-            vocab_size=model.config.vocab_size,
-        )
+            data_dir, "val", args.batch_size, seq_len, rt.rank, rt.world_size, 0, rt.device,
+            expected_fingerprint=tokenizer.fingerprint, vocab_size=model.config.vocab_size,
+        )  # fmt: skip
         if shortfall := val.budget_shortfall(budget):
             warn0(shortfall)
         n_batches = -(-val.val_rows(budget) // args.batch_size)
@@ -285,7 +251,16 @@ def main(argv: list[str] | None = None) -> None:
         batches = tqdm(val.val_batches(budget), total=n_batches, desc="val bpb", disable=quiet)
         bpb_model = maybe_compile(model, args.compile, rt.device)
         bpb = evaluate_bpb(bpb_model, batches, tokenizer.token_bytes().to(rt.device), rt.dtype)
-        bench = None if tasks is None else benchmark(args, tasks, model, tokenizer, rt.device, rt.dtype, prefix)
+        bench = None  # the tasks' results, on rank 0
+        if tasks is not None:
+            from ppt import evals
+
+            lm = evals.PPTLM(model, tokenizer, rt.device, rt.dtype, batch_size=args.batch_size, prefix=prefix)
+            limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
+            bench = evals.run_benchmarks(lm, tasks.benchmarks, tasks.manager, limit=limit)
+            if bench is not None:
+                bench |= {"protocol": tasks.protocol, "context_prefix": prefix}
+                bench["shots"] = {b.label: b.num_fewshot for b in tasks.benchmarks}
 
     if rt.is_master:
         print0(table(bpb, bench))

@@ -37,7 +37,7 @@ from ppt.model import build_model
 from ppt.optim import build_optimizer, lr_multiplier, set_lr
 from ppt.profiling import StepProfiler
 from ppt.run import Evaluation, RunRecord, TrainSettings, plot_losses
-from scripts.train_settings import Derived, parse_args, record_settings, resolve
+from scripts.train_settings import parse_args, record_settings, resolve
 
 OP_FORMULAS = getattr(ppt.model, "OP_FORMULAS", NO_FORMULAS)  # optional in model.py (SPEC.md)
 # The comparison-FLOPs rule is refreshed every this many steps (learned windows move), on a schedule that does not
@@ -99,7 +99,7 @@ class QueuedStep:
 
 class Trainer:
     """One run: its Settings, what they name built (model, optimizer, data, output directory, a resumed state), what
-    needs the model planned (Derived, compilation, the record), the loop of train_steps, the finish."""
+    needs the model planned (the budget and schedule, compilation, the record), the loop of train_steps, the finish."""
 
     def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
         self.started = time.perf_counter()
@@ -147,11 +147,10 @@ class Trainer:
     def resumed_state(self) -> dict[str, Any]:
         """The checkpoint --resume names, loaded into the model, optimizer, loader and RNGs ({} for a fresh run)."""
         s, rt = self.settings, self.rt
-        path = None
         if s.resume == "auto":
             path = ckpt.latest_checkpoint(s.out_dir) if rt.is_master else None
-        elif s.resume:
-            path = Path(s.resume)
+        else:
+            path = Path(s.resume) if s.resume else None
         if rt.distributed:  # rank 0 picks, so every rank resumes from the same checkpoint (readable by all)
             chosen = [path]
             torch.distributed.broadcast_object_list(chosen, src=0)
@@ -195,7 +194,7 @@ class Trainer:
                 "another --tag, or delete that record to reuse the name"
             )
 
-    # ---- what needs the model: FLOPs, the budget and schedule (Derived), compilation, the record ----------------
+    # ---- what needs the model: FLOPs, the budget and schedule, compilation, the record --------------------------
     def plan(self) -> None:
         s, rt, state = self.settings, self.rt, self.state
         try:  # one traced step of the (resumed) model: the MFU convention's FLOPs, and the comparison rule's mixers
@@ -217,8 +216,7 @@ class Trainer:
             warn0(warning)
 
         self.derived = d = self.derive()
-        train = record_settings(s, d, rt)
-        if state and (diff := train.resume_mismatch(TrainSettings(**state["settings"]))):
+        if state and (diff := d.resume_mismatch(TrainSettings(**state["settings"]))):
             raise PPTError(
                 f"{self.resume_path} trained with other settings ({'; '.join(diff)}): its schedule and data order "
                 "would not continue. Resume with the settings it recorded, or start a new run"
@@ -237,7 +235,7 @@ class Trainer:
                  | ({} if s.target_flops else {"target_tokens": d.target_tokens}),
             tokenizer={"name": s.tokenizer.name, "fingerprint": s.tokenizer.fingerprint, "demo": s.tokenizer.is_demo},
             data={"dir": str(s.data_dir), "fingerprint": self.train_loader.fingerprint()},
-            train=train, params=self.n_params, flops_per_token=self.mfu_flops,
+            train=d, params=self.n_params, flops_per_token=self.mfu_flops,
             comparison_flops_rule={"per_token_one_document_per_row": self.rule.per_token(),
                                    "traced_at_step": self.rule_step, **self.rule.state_dict(),
                                    **({"warning": rule_warning} if rule_warning else {})},
@@ -264,10 +262,11 @@ class Trainer:
         if epochs > 1:
             warn0(f"the budget is {epochs:.1f} epochs of {s.data_dir}: data repeats (prepare more shards to avoid it)")
 
-    def derive(self) -> Derived:
-        """The settings that need the model: the budget in tokens (from --target-flops: converted once, at the start,
-        by the rule and the first step's documents), the schedule in steps, the optimizer's groups, and DDP's need to
-        look for unused parameters."""
+    def derive(self) -> TrainSettings:
+        """The record's settings, with those that need the model: the budget in tokens (from --target-flops: converted
+        once, at the start, by the rule and the first step's documents), the schedule in steps, the optimizer's groups
+        (without their tensors and the schedule's current lr, which a resumed optimizer brings along), and DDP's need
+        to look for unused parameters."""
         s = self.settings
         budget = self.state.get("settings", {}).get("budget")
         if s.target_flops and (budget or {}).get("target_flops") != s.target_flops:
@@ -297,10 +296,11 @@ class Trainer:
                 f"--warmup-tokens {warmup_tokens:g} is more than the run's {target} tokens: the learning rate would "
                 "never reach its peak; lower --warmup-tokens"
             )
-        return Derived(
-            target_tokens=target, budget=budget, steps=steps, last_step=min(steps, s.max_steps or steps),
+        return record_settings(
+            s, self.rt, target_tokens=target, budget=budget, steps=steps, last_step=min(steps, s.max_steps or steps),
             warmup_tokens=warmup_tokens, warmup_steps=round(warmup_tokens / s.total_batch_tokens),
-            optimizer_groups=optimizer_settings(self.optimizer),
+            optimizer_groups=[{k: v for k, v in g.items() if k not in ("params", "lr")}
+                              for g in self.optimizer.param_groups],
             ddp_find_unused_parameters=self.rt.distributed and self.unused_parameters(),
         )  # fmt: skip
 
@@ -697,12 +697,6 @@ def allocate_grads(model: torch.nn.Module) -> None:
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
-
-
-def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Every param group's settings (role, algorithm, initial_lr, betas, weight decay, ...), without its tensors and
-    its current lr (the schedule's, which a resumed optimizer brings along)."""
-    return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
 
 
 def memory_gb(device: torch.device) -> tuple[str, float]:

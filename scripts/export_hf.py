@@ -103,12 +103,8 @@ def export_model(
         raise PPTError(f"cannot write into {out_dir.parent} ({exc.strerror or exc}); pass another --out") from exc
     try:
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        hf = {
-            **architecture,
-            "bos_token_id": tokenizer.eot_id,
-            "eos_token_id": tokenizer.eot_id,
-            "torch_dtype": str(dtype).removeprefix("torch."),
-        }
+        hf = dict(architecture, bos_token_id=tokenizer.eot_id, eos_token_id=tokenizer.eot_id)
+        hf["torch_dtype"] = str(dtype).removeprefix("torch.")
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         write_tokenizer(tokenizer, staging, config["max_seq_len"])
         if out_dir.exists():

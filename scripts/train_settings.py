@@ -9,7 +9,7 @@ python -m scripts.base_train ... --resume auto             # continue a stopped 
 A run owns its checkpoint directory and its name (--tag) while it runs: a second run with either stops at once.
 """
 # The docstring above is `python -m scripts.base_train --help`. This module holds base_train's flags, recipes and
-# relaunch, and resolves them into one Settings before anything is built; what needs the built model is Derived.
+# relaunch, and resolves them into one Settings before anything is built.
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ NOT_RELAUNCHED = ("from_manifest", "resume")
 class Settings:
     """Every setting of a run, resolved from its flags before anything is built: the training reads each by this one
     name. Fields named as flags hold the flag's value where resolution has nothing to add; what needs the built
-    model (the budget in tokens and steps, the optimizer's groups) is in Derived."""
+    model (the budget in tokens and steps, the optimizer's groups) is in the record's TrainSettings."""
 
     config_name: str  # --config, or d<depth>
     config: Any  # ppt/model.py's config dataclass, at the data's vocabulary (and training row length, if it has one)
@@ -75,13 +75,13 @@ class Settings:
     total_batch_tokens: int  # all ranks together
     device_batch_size: int
     grad_accum: int
-    target_tokens: int | None  # as given; the budget is Derived.target_tokens
+    target_tokens: int | None  # as given; the budget is TrainSettings.target_tokens
     target_flops: float | None
     optimizer: str
     lr: float
     weight_decay: float
     schedule: str
-    warmup_tokens: float | None  # as given; the warmup is Derived.warmup_tokens
+    warmup_tokens: float | None  # as given; the warmup is TrainSettings.warmup_tokens
     decay_frac: float
     doc_masks: bool
     grad_clip: float
@@ -109,21 +109,6 @@ class Settings:
     recipe: str | None
     argv: list[str]
     flags: dict[str, Any]  # every flag as this run resolved it: what the record keeps for --from-manifest
-
-
-@dataclasses.dataclass(frozen=True)
-class Derived:
-    """The settings that need the built model: the budget in tokens (20 x parameters, or --target-flops converted
-    once, at the start), the schedule in steps, the optimizer's groups and DDP's need to look for unused parameters."""
-
-    target_tokens: int
-    budget: dict[str, Any] | None  # --target-flops: the FLOPs, the per-token estimate, the tokens it became
-    steps: int  # the schedule's length
-    last_step: int  # where the run stops (--max-steps), the schedule unchanged
-    warmup_tokens: float
-    warmup_steps: int
-    optimizer_groups: list[dict[str, Any]]
-    ddp_find_unused_parameters: bool
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,7 +293,8 @@ def compile_mode(choice: str, rt: Runtime) -> str:
     return "reduce-overhead" if rt.device.type == "cuda" and not rt.distributed else "default"
 
 
-def record_settings(s: Settings, derived: Derived, rt: Runtime) -> TrainSettings:
-    """What a run record and a checkpoint keep of the settings (the fields a resume compares), by their names here."""
-    values = vars(s) | vars(derived) | {"world_size": rt.world_size, "dtype": str(rt.dtype)}
+def record_settings(s: Settings, rt: Runtime, **derived: Any) -> TrainSettings:
+    """What a run record and a checkpoint keep of the settings (the fields a resume compares), by their names here and
+    in `derived`: those that need the built model (Trainer.derive)."""
+    values = vars(s) | derived | {"world_size": rt.world_size, "dtype": str(rt.dtype)}
     return TrainSettings(**{f.name: values[f.name] for f in dataclasses.fields(TrainSettings)})
