@@ -39,13 +39,14 @@ run() {
     uv run --no-sync python "$@"
 }
 
-# The token budget fits about 2-3 minutes of training: ~0.9M tokens is about one epoch of the demo corpus. On CPU
-# Multiscreen's screening runs its plain-PyTorch reference, whose cost grows with the square of the row length, so
-# it trains on shorter rows and fewer tokens (at the higher learning rate it needs) in the same time. An architecture
-# of your own whose CPU path is slower gets the vanilla budget: pass --seq-len / --target-tokens to shorten it.
+# The token budget fits about 2-3 minutes of training: ~0.9M tokens is about one epoch of the demo corpus. Every
+# architecture trains on 128-token rows and scores the same val tokens, so that scripts.compare sets their runs side by
+# side. On CPU Multiscreen's screening runs its plain-PyTorch reference, slower than attention, so it trains on fewer
+# tokens (at the higher learning rate it needs) in the same time. An architecture of your own whose CPU path is slower
+# gets the vanilla budget: pass --target-tokens to shorten it.
 case "$config" in
     multiscreen*) budget=(--seq-len 128 --total-batch-tokens 4096 --target-tokens 5e5 --lr 1e-2 --warmup-tokens 2e4) ;;
-    *) budget=(--seq-len 256 --total-batch-tokens 8192 --target-tokens 9e5 --lr 3e-3 --warmup-tokens 4e4) ;;
+    *) budget=(--seq-len 128 --total-batch-tokens 8192 --target-tokens 9e5 --lr 3e-3 --warmup-tokens 4e4) ;;
 esac
 
 if [ -z "$data_dir" ]; then
