@@ -68,7 +68,7 @@ class TrainSettings:
 
     # What a resumed run may change: how it runs, never its schedule or the data it reads (resume_mismatch)
     RESUMABLE_CHANGES = ("device_batch_size", "grad_accum", "world_size", "compile", "compile_mode", "last_step",
-                         "loader_prefetch", "eval_every", "skip_nonfinite", "ddp_find_unused_parameters", "dtype",
+                         "loader_prefetch", "eval_every", "skip_nonfinite", "ddp_find_unused_parameters",
                          "deterministic", "recipe", "optimizer_groups", "budget")  # fmt: skip
 
     def resume_mismatch(self, saved: TrainSettings) -> list[str]:

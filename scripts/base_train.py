@@ -173,6 +173,12 @@ class Trainer:
             )
         if diff := ckpt.config_mismatch(state["config"], s.config_dict):
             raise PPTError(f"checkpoint {path} is from another config: " + "; ".join(diff))
+        here, trained_on = self.train_loader.fingerprint(), state.get("data_fingerprint")  # None: an older checkpoint
+        if trained_on not in (None, here):
+            raise PPTError(
+                f"checkpoint {path} trained on other data (fingerprint {trained_on[:12]}) than {s.data_dir} holds "
+                f"({here[:12]}): resume with the --data-dir it trained on, or start a new run"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.train_loader.load_state_dict(state["loader"])
@@ -576,6 +582,7 @@ class Trainer:
             "history": self.record.history,
             "skipped_nonfinite_steps": self.skipped,
             "tokenizer_fingerprint": s.tokenizer.fingerprint,
+            "data_fingerprint": self.train_loader.fingerprint(),
             "comparison": {"flops": self.comparison_flops, "rule": self.rule.state_dict(), "rule_step": self.rule_step},
             "wall_time_s": self.wall_time(),
             "wandb_id": (self.record.wandb or {}).get("id"),

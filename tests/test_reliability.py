@@ -513,6 +513,7 @@ json.dump(results, open(results_file, "w"))
 
 TRAIN = ["--config", "tiny", "--data-dir", "{data}", "--seq-len", "32", "--total-batch-tokens", "64",
          "--device-batch-size", "2", "--device", "cpu", "--compile", "off", "--out-dir", "{work}/out"]  # fmt: skip
+B128 = [*TRAIN, "--total-batch-tokens", "128", "--target-tokens", "512", "--eval-tokens", "64"]  # batch128's run
 PREPARE = ["--workers", "1", "--out", "{work}/prepared", "--tokenizer", "{data}/tokenizer.json"]
 BAD_INPUT = [
     # scripts.prepare_fineweb
@@ -630,6 +631,14 @@ BAD_INPUT = [
                  r"step_00000004\.pt trained with other settings \(total_batch_tokens 128 -> 64; .*\): its schedule "
                  r"and data order would not continue",
                  id="train-resume-other-batch"),
+    pytest.param("base_train", [*B128, "--data-dir", "{work}/fewer", "--resume", "{work}/batch128/step_00000004.pt"],
+                 {},
+                 r"step_00000004\.pt trained on other data \(fingerprint [0-9a-f]{12}\) than .*fewer holds "
+                 r"\([0-9a-f]{12}\): resume with the --data-dir it trained on, or start a new run$",
+                 id="train-resume-other-data"),
+    pytest.param("base_train", [*B128, "--resume", "{work}/batch128/step_00000004.pt"], {"PPT_DTYPE": "bf16"},
+                 r"step_00000004\.pt trained with other settings \(dtype 'torch.float32' -> 'torch.bfloat16'\): its "
+                 r"schedule and data order would not continue", id="train-resume-other-dtype"),
     pytest.param("base_train", [*TRAIN, "--data-dir", "{work}/preparing"], {},
                  r"preparing is being written by a prepare \(pid \d+ .*\); train on it once that has finished$",
                  id="train-data-being-prepared"),
@@ -776,7 +785,16 @@ def make_bad_inputs(work: Path, data: Path) -> None:
             (work / name / source.name).write_bytes(source.read_bytes())
         return work / name
 
-    for name in ("bad_magic", "truncated", "other_tokenizer", "big_ids", "old_shard", "old_meta", "damaged_ids"):
+    for name in (
+        "bad_magic",
+        "truncated",
+        "other_tokenizer",
+        "big_ids",
+        "old_shard",
+        "old_meta",
+        "damaged_ids",
+        "fewer",
+    ):
         first_shards(name)
     (work / "old_meta" / "meta.json").write_text(json.dumps({**read_meta(data), "format": 1}))
     first_shards("missing_shard", train_shards=2)
@@ -839,7 +857,7 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     (work / "one_budget.toml").write_text(f'data_dir = "{data}"\nbudgets = [1e9]\n{archs}')
     (work / "shared_sizes.toml").write_text(f'data_dir = "{data}"\nbudgets = [1e9, 3e9]\n{archs.replace("d4", "d3")}')
     (work / "huge_seed.toml").write_text(f'data_dir = "{data}"\nbudgets = [1e9, 3e9]\nseeds = [0, 1e30]\n{archs}')
-    batch128 = [*TRAIN, "--total-batch-tokens", "128", "--target-tokens", "512", "--eval-tokens", "64", "--tag", "b128"]
+    batch128 = [*B128, "--tag", "b128"]
     with pytest.MonkeyPatch.context() as mp:  # a real checkpoint, its record in a cache of its own
         mp.setenv("PPT_CACHE", str(work / "batch128_cache"))
         base_train.main([a.format(work=work, data=data) for a in batch128] + ["--out-dir", str(work / "batch128")])
