@@ -302,6 +302,8 @@ class Trainer:
                 f"--warmup-tokens {warmup_tokens:g} is more than the run's {target} tokens: the learning rate would "
                 "never reach its peak; lower --warmup-tokens"
             )
+        if s.benchmark and min(steps, s.max_steps or steps) <= (9 if s.profile else 5):  # said now, not after training
+            raise PPTError("--benchmark needs more than 5 steps (more than 9 with --profile); raise --max-steps")
         return record_settings(
             s, self.rt, target_tokens=target, budget=budget, steps=steps, last_step=min(steps, s.max_steps or steps),
             warmup_tokens=warmup_tokens, warmup_steps=round(warmup_tokens / s.total_batch_tokens),
@@ -537,7 +539,7 @@ class Trainer:
         steps_done = step - self.start_step
         per_step = (self.last_read - self.first_read) / (steps_done - 1) if steps_done > 1 else done.step_time
         print0(
-            f"step {step:6d}/{self.derived.steps} ({100 * step / last_step:.1f}%) | loss {done.loss:.4f} "
+            f"step {step:6d}/{last_step} ({100 * step / last_step:.1f}%) | loss {done.loss:.4f} "
             f"| lr {done.lr:.2e} | grad {done.grad_norm:.3f} | {tok_per_s:,.0f} tok/s | {1000 * done.step_time:.0f} ms"
             f"{mfu_text} | mem {memory:.2f} GB | {duration(self.wall_time())} elapsed, "
             f"eta {duration(per_step * (last_step - step))}"

@@ -42,16 +42,17 @@ def test_objects_alive_after_the_first_step_leave_the_garbage_collectors_scans(d
         gc.unfreeze()
 
 
-def test_benchmark_needs_steps_after_warmup(demo_data_dir, tmp_path):
+def test_benchmark_needs_steps_after_warmup_and_says_so_before_training(demo_data_dir, tmp_path, capsys):
     with pytest.raises(PPTError, match="more than 5 steps"):
         main(benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=3))
+    assert "step " not in capsys.readouterr().out  # refused before the first step, not after the last
 
 
 def test_profile_prints_where_the_recorded_steps_spent_their_time(demo_data_dir, tmp_path, capsys):
     main([*benchmark_argv(demo_data_dir, tmp_path / "out", max_steps=12), "--profile", "--log-every", "1"])
     out = capsys.readouterr().out
     assert "aten::mm" in out.split("wall time per iteration")[0]  # the op table comes first
-    assert "over 3 recorded" in out
+    assert "over 3 recorded" in out and "step      9/12 (75.0%)" in out  # counted to --max-steps, not the schedule
     # the report prints at the start of step 9, after the recorded steps 6-8
     assert (
         out.index("wall time per iteration") < out.index("step      9/") and "step      8/" in out.split("aten::mm")[0]
