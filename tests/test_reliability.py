@@ -950,6 +950,7 @@ def bad_input_table(results: dict) -> str:
         text = re.sub(r"pid \d+ on [^,]+,", "pid <pid> on <host>,", text)
         text = re.sub(r"but [\d.]+ [KMGT]?B is free", "but <n> is free", text)
         text = re.sub(r"fingerprint [0-9a-f]{16}\b(?<!cdcdcdcdcdcdcdcd)", "fingerprint <demo>", text)  # stdlib-made
+        text = re.sub(r"\b[0-9a-f]{12}\)", "<fingerprint>)", text)  # a data set's fingerprint: its stdlib-made text
         text = re.sub(
             r"\((\d+) bytes, header says (\d+)\)",
             lambda m: f"(<n> bytes, header says <n + {int(m[2]) - int(m[1])}>)",
