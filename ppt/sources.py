@@ -16,7 +16,6 @@ import os
 import pkgutil
 import random
 import sys
-import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
@@ -98,14 +97,9 @@ MIN_DEMO_TEXT = 20  # characters: shorter docstrings and comments ("Return self=
 
 def demo_documents() -> list[str]:
     """The offline demo corpus: the documentation Python's standard library ships, about 3 MB (0.85M tokens at
-    vocab 4096 on CPython 3.11), built in about a second.
-
-    The `help()` topics of `pydoc_data.topics` (one document per topic), and one document per public stdlib module
-    that imports here: the docstrings of the module and of its public classes, functions and methods, each under a
-    heading with its name and parameter names, then the module source's comments. Every text appears once. The
-    documents come in a fixed shuffled order, so the val split (the first documents) mixes both kinds. The same on
-    every run with one Python build; built once per process (tokenizer training reads it, then the encoder).
-    """
+    vocab 4096 on CPython 3.11), built once per process in about a second, the same with one Python build: the
+    `help()` topics (one document each) and one document per public stdlib module that imports here (its docstrings
+    under `class`/`def` headings, then its source's comments), every text once, in a fixed shuffled order."""
     return list(_demo_corpus())
 
 
@@ -122,15 +116,6 @@ def _demo_corpus() -> tuple[str, ...]:
     return tuple(documents)
 
 
-def _quiet_import(name: str) -> types.ModuleType | None:
-    """Import a stdlib module for its docstrings; None when it is missing on this platform or fails to import."""
-    try:
-        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
-            return importlib.import_module(name)
-    except Exception:  # absent C extensions, other platforms' modules: skipped, the corpus is what imports here
-        return None
-
-
 def _stdlib_module_names() -> list[str]:
     """Public stdlib modules and their public submodules that import here, sorted by name."""
 
@@ -141,7 +126,10 @@ def _stdlib_module_names() -> list[str]:
     pending = sorted(name for name in sys.stdlib_module_names if public(name) and name not in DEMO_SKIP_MODULES)
     while pending:
         name = pending.pop()
-        if (module := _quiet_import(name)) is None:
+        try:
+            with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+                module = importlib.import_module(name)
+        except Exception:  # absent C extensions, other platforms' modules: skipped, the corpus is what imports here
             continue
         found.append(name)
         submodules = pkgutil.iter_modules(getattr(module, "__path__", []), prefix=f"{name}.")

@@ -1,9 +1,6 @@
 """The fixed tokenizer: a thin wrapper over a `tokenizers` byte-level BPE that knows its EOT id, its fingerprint,
-and how many raw bytes each token stands for (the denominator of bits-per-byte).
-
-Production runs use HuggingFaceTB/cosmo2-tokenizer (vocab 49152, `<|endoftext|>` = 0). Offline, the demo trains a
-small byte-level BPE on an embedded corpus, and `prepare_fineweb --train-tokenizer` one on a local corpus; shards and
-manifests record which one was used (`is_demo` for the demo's).
+and how many raw bytes each token stands for (the denominator of bits-per-byte). Production runs use cosmo2 (vocab
+49152, `<|endoftext|>` = 0); the offline demo and `prepare_fineweb --train-tokenizer` train a small byte-level BPE.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ OFFLINE_HINT = (
     "to work offline, pass a local tokenizer.json (--tokenizer path/to/tokenizer.json) "
     "or use `--source demo`, which trains its own small tokenizer"
 )
-
 
 # Byte-level BPE spells each of the 256 bytes as one printable character, so a token's raw byte count is its length.
 BYTE_LEVEL_CHARS = frozenset(pre_tokenizers.ByteLevel.alphabet())
