@@ -35,9 +35,8 @@ SHUFFLE_MAX_BYTES = 4_000_000_000  # --shuffle-seed holds the corpus in memory
 
 
 def resolve_local_files(patterns: list[str]) -> list[Path]:
-    """Expand paths, folders and globs (`**` spans folders) in argument order, each glob and folder sorted; every
-    pattern must give a supported file. A folder gives every .txt/.jsonl/.parquet file under it (hidden ones aside).
-    Links that lead to no file (dangling or looping) are left out with a note."""
+    """Expand paths, folders (every .txt/.jsonl/.parquet file under one, hidden ones aside) and globs (`**` spans
+    folders) in argument order, each glob and folder sorted; every pattern must give a supported file."""
     files = []
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
@@ -56,8 +55,7 @@ def resolve_local_files(patterns: list[str]) -> list[Path]:
 
 def _existing(paths: list[Path], where: str) -> list[Path]:
     """The paths that lead to something; a note names the links that lead nowhere (dangling or looping)."""
-    broken = [path for path in paths if not path.exists()]
-    if broken:
+    if broken := [path for path in paths if not path.exists()]:
         print(f"note: {where}: left out {len(broken)} links that lead to no file ({_some_names(broken)})")
     return [path for path in paths if path.exists()]
 
@@ -157,8 +155,7 @@ def _module_document(name: str, seen: set[str]) -> str:
                 is_documented_member = inspect.isroutine(member) or inspect.isdatadescriptor(member)
                 if is_documented_member and (member_name == "__init__" or not member_name.startswith("_")):
                     add(f"def {attr}.{member_name}{_parameters(member)}", member.__doc__)
-    comments = _source_comments(getattr(module, "__file__", None), seen)
-    if comments:
+    if comments := _source_comments(getattr(module, "__file__", None), seen):
         parts.append(f"comments in the source of {name}\n" + "\n\n".join(comments))
     return "\n\n".join(parts)
 
@@ -275,10 +272,8 @@ def local_documents(files: list[Path]) -> Iterator[str]:
 
 
 def open_fineweb() -> Iterator[str]:
-    """Stream FineWeb-Edu-Dedup from the hub; with HF_HUB_OFFLINE set, read a dataset already in the HF cache.
-
-    Opens the dataset now, so an unreachable hub fails before anything is written.
-    """
+    """Stream FineWeb-Edu-Dedup from the hub; with HF_HUB_OFFLINE set, read a dataset already in the HF cache. Opens
+    the dataset now, so an unreachable hub fails before anything is written."""
     try:
         import datasets  # lazy: importing this script never touches the network
 

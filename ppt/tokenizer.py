@@ -57,11 +57,8 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
     def token_bytes(self) -> torch.Tensor:
-        """int32 (vocab_size,): raw bytes each token stands for; special tokens 0.
-
-        Counted from the byte-level spelling, not by decoding: a token holding part of a UTF-8 character decodes to
-        U+FFFD (3 bytes) but stands for only the bytes it holds.
-        """
+        """int32 (vocab_size,): raw bytes each token stands for; special tokens 0. Counted from the byte-level
+        spelling, not by decoding: a token holding part of a UTF-8 character decodes to U+FFFD (3 bytes)."""
         decoder = json.loads(self.backend.to_str()).get("decoder")
         if '"ByteLevel"' not in json.dumps(decoder):
             raise PPTError(
@@ -118,10 +115,8 @@ def _download_from_hub(name: str, target: Path) -> None:
 
 
 def load_tokenizer(name_or_path: str | Path = DEFAULT_TOKENIZER) -> Tokenizer:
-    """A local tokenizer.json (or a directory holding one), else a hub name cached under `cache_dir()/tokenizers/`.
-
-    Never substitutes another tokenizer: if the hub cannot be reached and nothing is cached, raises PPTError.
-    """
+    """A local tokenizer.json (or a directory holding one), else a hub name cached under `cache_dir()/tokenizers/`;
+    never another tokenizer: if the hub cannot be reached and nothing is cached, raises PPTError."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"

@@ -202,9 +202,6 @@ def check_free_space(out: Path, meta: dict, tokens: int | None) -> None:
         )
 
 
-# ---- progress ----------------------------------------------------------------------------------------------------
-
-
 class Progress:
     """A tqdm bar on a terminal; elsewhere (nohup, a batch scheduler) a line every PROGRESS_EVERY_S seconds with the
     shards written, the tokens, the rate and, where the total is known, the time left."""
@@ -225,9 +222,6 @@ class Progress:
                 of, eta = f" of about {self.total:,}", duration(max(self.total - self.tokens, 0) / max(rate, 1e-9))
             line = f"tokenizing: {shards} shards written, {self.tokens:,}{of} tokens, {rate:,.0f} tokens/s, ETA {eta}"
             print(line, file=sys.stderr, flush=True)
-
-
-# ---- main --------------------------------------------------------------------------------------------------------
 
 
 def prepare(args: argparse.Namespace) -> None:
