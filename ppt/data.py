@@ -78,8 +78,8 @@ class _RowSource:
         return shard, int(self._row_perm[1][local])
 
     def batches(self, batch_size: int, epoch: int, position: int, shuffle: bool) -> Iterator[Item]:
-        """The batches after cursor (epoch, position) in this rank's rows, each with its tokens at each document
-        position (counts[p], 0 <= p < T: what the comparison-FLOPs rule needs) and the cursor after it."""
+        """The batches after cursor (epoch, position) in this rank's rows, each with how many of its tokens sit at each
+        document position (counts[p]: what the comparison-FLOPs rule needs) and the cursor after it."""
         while True:
             locations = []
             for _ in range(batch_size):
