@@ -1,12 +1,7 @@
 """The loader that packs token shards (ppt/shards.py) into training rows, for every rank (SPEC.md, "Shards and the
-data directory", states the contract).
-
-Packing: each shard's stream is cut into rows of T+1 consecutive tokens, row i = tokens[i*T : i*T+T+1]; inputs are
-row[:-1] and targets row[1:]. `doc_pos` restarts at 0 at every EOT in the inputs and at the row start (a fragment at
-a row start is treated as a fresh document). Each epoch permutes the shard order and the row order inside each shard
-from (seed, epoch). Training rows go to the ranks in blocks of a batch (`_RowSource.global_row`), val rows
-round-robin. Ranks are disjoint and together cover the epoch; its last rows, fewer than one per rank, are dropped so
-every rank gets as many.
+data directory", states the contract): row i of a shard is tokens[i*T : i*T+T+1], `doc_pos` restarts at every EOT and
+at the row start, each epoch permutes shards and rows from (seed, epoch), and ranks take disjoint rows
+(`_RowSource.global_row`); an epoch's last rows, fewer than one per rank, are dropped so every rank gets as many.
 """
 
 from __future__ import annotations
@@ -29,10 +24,8 @@ STATE_KEYS = ("split", "epoch", "position", "seed", "seq_len", "world_size", "ba
 
 
 class _RowSource:
-    """One rank's rows in epoch order, and the host batches built from them: all that the prefetch thread uses.
-
-    It holds no reference to the DataLoader, so a loader dropped while its thread runs can still be collected.
-    """
+    """One rank's rows in epoch order, and the host batches built from them: all that the prefetch thread uses. It
+    holds no reference to the DataLoader, so a loader dropped while its thread runs can still be collected."""
 
     def __init__(
         self,
@@ -85,9 +78,8 @@ class _RowSource:
         return shard, int(self._row_perm[1][local])
 
     def batches(self, batch_size: int, epoch: int, position: int, shuffle: bool) -> Iterator[Item]:
-        """The batches after cursor (epoch, position) in this rank's rows, each with how many of its tokens sit at
-        each document position (counts[p], 0 <= p < T: what the comparison-FLOPs rule needs) and the cursor after
-        it."""
+        """The batches after cursor (epoch, position) in this rank's rows, each with how many of its tokens sit at each
+        document position (counts[p]: what the comparison-FLOPs rule needs) and the cursor after it."""
         while True:
             locations = []
             for _ in range(batch_size):
@@ -169,14 +161,10 @@ class DataLoader:
     """Infinite iterator of `(inputs int64 (B,T), targets int64 (B,T), doc_pos int32 (B,T))` for one rank.
 
     `split="train"` shuffles per epoch; `split="val"` keeps file order (use `val_batches` for a fixed budget).
-    A background thread builds the next `prefetch` batches (gather from the memory-mapped shards, doc_pos, pinned
-    host memory on CUDA) while the model computes; `next()` only copies one to the device, asynchronously.
-    `prefetch=0` builds each batch in `next()` instead. `state_dict()` describes the batches `next()` has returned,
-    not those prefetched, and is the same on every rank, so resuming from rank 0's state resumes all ranks exactly.
-    `take_doc_pos_counts()` hands over how many tokens of the batches `next()` returned since the last call sit at
-    each document position (counted on the host where the batch is built: no device work, no sync).
-    `vocab_size` (the model's; default the shards') bounds the token ids: a shard holding a larger one is refused
-    when opened (its header records its largest id), and so is a batch that holds one.
+    A background thread builds the next `prefetch` batches (pinned host memory on CUDA; with 0, `next()` builds it)
+    while the model computes; `next()` only copies one to the device, asynchronously. `state_dict()` describes the
+    batches `next()` has returned, the same on every rank, so resuming from rank 0's state resumes all ranks exactly.
+    `vocab_size` (the model's; default the shards') bounds the ids: a shard or a batch holding a larger one is refused.
     """
 
     def __init__(
@@ -202,9 +190,7 @@ class DataLoader:
         self.data_dir = Path(data_dir)
         self.split, self.batch_size, self.seq_len = split, batch_size, seq_len
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.device = torch.device(device)
-        self.shuffle = split == "train"
-        self.prefetch = prefetch
+        self.device, self.shuffle, self.prefetch = torch.device(device), split == "train", prefetch
 
         # ids are checked as a shard is first used (_RowSource.build), not on every open of the whole split
         shards = [read_shard(p, expected_fingerprint, check_ids=False) for p in list_shards(self.data_dir, split)]
@@ -264,7 +250,8 @@ class DataLoader:
         return self._to_device(batch)
 
     def take_doc_pos_counts(self) -> np.ndarray:
-        """(seq_len,) int64: tokens at each document position in the batches returned since the last call."""
+        """(seq_len,) int64: tokens at each document position in the batches returned since the last call (counted
+        on the host where the batch is built: no device work, no sync)."""
         counts, self._doc_pos_counts = self._doc_pos_counts, np.zeros(self.seq_len, dtype=np.int64)
         return counts
 
@@ -321,11 +308,8 @@ class DataLoader:
         )
 
     def val_batches(self, max_tokens: int) -> Iterator[Batch]:
-        """The first `max_tokens` input tokens of the split (summed over ranks) in file order, this rank's share.
-
-        Every rank yields the same number of batches; the last may hold fewer than `batch_size` rows.
-        Does not move the loader's own position.
-        """
+        """This rank's share of the split's first `max_tokens` input tokens (over all ranks) in file order, in as many
+        batches on every rank (the last may be smaller); the loader's own position does not move."""
         rows_each = self.val_rows(max_tokens)
         if rows_each == 0:
             raise PPTError(

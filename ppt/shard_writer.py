@@ -58,10 +58,8 @@ def document_pieces(text: str) -> Iterator[str]:
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> Encoded:
-    """Each document's token count (it ends with EOT; an empty one has 0), all tokens concatenated, its digest.
-
-    The tokenizer takes about PIECE_CHARS characters a call, a longer document in pieces (`document_pieces`), so
-    its memory stays bounded whatever the documents' lengths."""
+    """Each document's token count (it ends with EOT; an empty one has 0), all tokens concatenated, its digest. The
+    tokenizer takes about PIECE_CHARS characters a call (`document_pieces`), so its memory stays bounded."""
     pieces = [(i, piece) for i, text in enumerate(texts) if text.strip() for piece in document_pieces(text)]
     last = [i != j for (i, _), (j, _) in zip(pieces, [*pieces[1:], (-1, "")])]  # the last piece of its document
     calls = np.cumsum([len(piece) for _, piece in pieces]) // PIECE_CHARS  # runs of pieces, one call each
@@ -90,11 +88,8 @@ def _encode_in_worker(texts: list[str]) -> Encoded:
 
 @contextmanager
 def worker_pool(tokenizer: Tokenizer, workers: int) -> Iterator[Pool | None]:
-    """Tokenizer processes, or None for in-process tokenization when workers <= 1.
-
-    On Linux the workers are forked (instant; spawning re-imports torch in each) so open the pool before the
-    document source starts any threads. Each worker encodes single-threaded: the processes are the parallelism.
-    """
+    """Tokenizer processes, or None for in-process tokenization when workers <= 1. On Linux the workers are forked
+    (instant; spawning re-imports torch in each), so open the pool before the document source starts any threads."""
     # one thread per process, so --workers is the number of cores used (inherited by the workers; it also
     # silences tokenizers' warning about forking after its thread pool ran)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -117,10 +112,8 @@ def worker_pool(tokenizer: Tokenizer, workers: int) -> Iterator[Pool | None]:
 def encode_in_order(
     batches: Iterable[list[str]], tokenizer: Tokenizer, pool: Pool | None, workers: int
 ) -> Iterator[Encoded]:
-    """Encode batches of documents, on the pool's workers if there is one, yielding results in input order.
-
-    At most 2 * workers batches are in flight, so a streamed corpus is never read far ahead into memory.
-    """
+    """Encode batches of documents, on the pool's workers if there is one, yielding results in input order. At
+    most 2 * workers batches are in flight, so a streamed corpus is never read far ahead into memory."""
     if pool is None:
         yield from (encode_documents(tokenizer, texts) for texts in batches)
         return
@@ -157,15 +150,11 @@ class ShardBuffer:
 
 
 class ShardWriter:
-    """Fills the val shard, then train shards, with the first of each set of exact-duplicate documents, and records
-    progress in meta.json after every finished shard.
-
-    The val shard is held back until the first train shard is written, so a corpus too small for both leaves
-    nothing behind. Val takes the first documents of the stream but none longer than its plan, so it stays below
-    twice the plan: a longer one goes to train, and val holds the first of them only where no document is shorter.
-    Duplicates are found by digest (16 bytes a document kept), val ones first: the val documents come first, so a
-    later copy of one is dropped from train.
-    """
+    """Fills the val shard, then train shards, with the first of each set of exact-duplicate documents (found by
+    digest), and records progress in meta.json after every finished shard. The val shard is held back until the first
+    train shard is written, so a corpus too small for both leaves nothing behind. Val takes the first documents of
+    the stream but none longer than its plan, so it stays below twice the plan: a longer one goes to train, and val
+    holds the first of them only where no document is shorter."""
 
     def __init__(self, out: Path, meta: dict, tokenizer: Tokenizer, target_shards: int | None) -> None:
         self.out, self.meta, self.tokenizer, self.target_shards = out, meta, tokenizer, target_shards

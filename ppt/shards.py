@@ -1,14 +1,9 @@
 """Token shards on disk and the data directory that holds them: the format, reading, writing, meta.json.
 
-Shard format, version 1: a 1024-byte little-endian header (`_HEADER`; SPEC.md, "Shards and the data directory", has
-the table of its fields), then the tokens, uint16 when the vocabulary fits in 16 bits, else uint32.
-
-The token stream of every shard starts with EOT and every document is followed by EOT, so each document is preceded
-by the EOT that begins it (SPEC.md, "Documents and packing").
-
-A data directory (made by `python -m scripts.prepare_fineweb`) holds val_00000.bin (the first documents of the
-source), train_00000.bin ... (the documents after them), tokenizer.json and meta.json (ppt/shard_writer.py's
-new_meta). The loader that packs shards into training rows is ppt/data.py.
+A shard is a 1024-byte little-endian header (`_HEADER`), then its token stream (EOT, document, EOT, document, EOT ...),
+uint16 when the vocabulary fits in 16 bits, else uint32. A data directory holds val_00000.bin, train_00000.bin ...,
+tokenizer.json and meta.json (ppt/shard_writer.py's new_meta). SPEC.md, "Shards and the data directory", has the
+header's table and the directory's contract; ppt/data.py packs shards into training rows.
 """
 
 from __future__ import annotations
@@ -110,11 +105,8 @@ def read_shard(
     path: str | Path, expected_fingerprint: str | None = None, expected_name: str | None = None, check_ids: bool = True
 ) -> tuple[ShardInfo, np.memmap]:
     """Validate a shard's header and size and memory-map its tokens; with `check_ids`, also that its largest token
-    id is the one the header records (one pass over the tokens: per 100M uint16 ones about 10 ms cached, 80 ms from
-    disk), so damage that puts an id outside the vocabulary shows when the shard is opened, not when its row is read.
-
-    With `expected_fingerprint`, a shard made by another tokenizer raises PPTError naming both tokenizers.
-    """
+    id is the one the header records (one pass, ~80 ms per 100M tokens from disk), so damage shows when the shard is
+    opened, not when its row is read. A shard made by another tokenizer than `expected_fingerprint` is refused."""
     path = Path(path)
     if not path.is_file():
         raise PPTError(f"shard {path} does not exist; {PREPARE_HINT}")
@@ -239,9 +231,7 @@ def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:
 
 def dataset_fingerprint(data_dir: str | Path) -> str:
     """sha256 of the lines `<split> <tokenizer fingerprint> <sha256 of the token bytes>`, one per shard, train then
-    val, in index order: it identifies the tokens, the tokenizer and the split (shard boundaries included, as they
-    shape the rows), never a path, the tokenizer's name or the header's layout, so a rerun on shards prepared from
-    the same documents with the same tokenizer anywhere gets the same fingerprint."""
+    val, in index order: the tokens, tokenizer and split (shard boundaries shape the rows), never a path or name."""
     lines = []
     for split in SPLITS:
         for path in list_shards(data_dir, split):

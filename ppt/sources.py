@@ -16,7 +16,6 @@ import os
 import pkgutil
 import random
 import sys
-import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
@@ -36,9 +35,8 @@ SHUFFLE_MAX_BYTES = 4_000_000_000  # --shuffle-seed holds the corpus in memory
 
 
 def resolve_local_files(patterns: list[str]) -> list[Path]:
-    """Expand paths, folders and globs (`**` spans folders) in argument order, each glob and folder sorted; every
-    pattern must give a supported file. A folder gives every .txt/.jsonl/.parquet file under it (hidden ones aside).
-    Links that lead to no file (dangling or looping) are left out with a note."""
+    """Expand paths, folders (every .txt/.jsonl/.parquet file under one, hidden ones aside) and globs (`**` spans
+    folders) in argument order, each glob and folder sorted; every pattern must give a supported file."""
     files = []
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
@@ -57,8 +55,7 @@ def resolve_local_files(patterns: list[str]) -> list[Path]:
 
 def _existing(paths: list[Path], where: str) -> list[Path]:
     """The paths that lead to something; a note names the links that lead nowhere (dangling or looping)."""
-    broken = [path for path in paths if not path.exists()]
-    if broken:
+    if broken := [path for path in paths if not path.exists()]:
         print(f"note: {where}: left out {len(broken)} links that lead to no file ({_some_names(broken)})")
     return [path for path in paths if path.exists()]
 
@@ -98,14 +95,9 @@ MIN_DEMO_TEXT = 20  # characters: shorter docstrings and comments ("Return self=
 
 def demo_documents() -> list[str]:
     """The offline demo corpus: the documentation Python's standard library ships, about 3 MB (0.85M tokens at
-    vocab 4096 on CPython 3.11), built in about a second.
-
-    The `help()` topics of `pydoc_data.topics` (one document per topic), and one document per public stdlib module
-    that imports here: the docstrings of the module and of its public classes, functions and methods, each under a
-    heading with its name and parameter names, then the module source's comments. Every text appears once. The
-    documents come in a fixed shuffled order, so the val split (the first documents) mixes both kinds. The same on
-    every run with one Python build; built once per process (tokenizer training reads it, then the encoder).
-    """
+    vocab 4096 on CPython 3.11), built once per process in about a second, the same with one Python build: the
+    `help()` topics (one document each) and one document per public stdlib module that imports here (its docstrings
+    under `class`/`def` headings, then its source's comments), every text once, in a fixed shuffled order."""
     return list(_demo_corpus())
 
 
@@ -122,15 +114,6 @@ def _demo_corpus() -> tuple[str, ...]:
     return tuple(documents)
 
 
-def _quiet_import(name: str) -> types.ModuleType | None:
-    """Import a stdlib module for its docstrings; None when it is missing on this platform or fails to import."""
-    try:
-        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
-            return importlib.import_module(name)
-    except Exception:  # absent C extensions, other platforms' modules: skipped, the corpus is what imports here
-        return None
-
-
 def _stdlib_module_names() -> list[str]:
     """Public stdlib modules and their public submodules that import here, sorted by name."""
 
@@ -141,7 +124,10 @@ def _stdlib_module_names() -> list[str]:
     pending = sorted(name for name in sys.stdlib_module_names if public(name) and name not in DEMO_SKIP_MODULES)
     while pending:
         name = pending.pop()
-        if (module := _quiet_import(name)) is None:
+        try:
+            with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+                module = importlib.import_module(name)
+        except Exception:  # absent C extensions, other platforms' modules: skipped, the corpus is what imports here
             continue
         found.append(name)
         submodules = pkgutil.iter_modules(getattr(module, "__path__", []), prefix=f"{name}.")
@@ -169,8 +155,7 @@ def _module_document(name: str, seen: set[str]) -> str:
                 is_documented_member = inspect.isroutine(member) or inspect.isdatadescriptor(member)
                 if is_documented_member and (member_name == "__init__" or not member_name.startswith("_")):
                     add(f"def {attr}.{member_name}{_parameters(member)}", member.__doc__)
-    comments = _source_comments(getattr(module, "__file__", None), seen)
-    if comments:
+    if comments := _source_comments(getattr(module, "__file__", None), seen):
         parts.append(f"comments in the source of {name}\n" + "\n\n".join(comments))
     return "\n\n".join(parts)
 
@@ -287,10 +272,8 @@ def local_documents(files: list[Path]) -> Iterator[str]:
 
 
 def open_fineweb() -> Iterator[str]:
-    """Stream FineWeb-Edu-Dedup from the hub; with HF_HUB_OFFLINE set, read a dataset already in the HF cache.
-
-    Opens the dataset now, so an unreachable hub fails before anything is written.
-    """
+    """Stream FineWeb-Edu-Dedup from the hub; with HF_HUB_OFFLINE set, read a dataset already in the HF cache. Opens
+    the dataset now, so an unreachable hub fails before anything is written."""
     try:
         import datasets  # lazy: importing this script never touches the network
 

@@ -1,9 +1,6 @@
 """The fixed tokenizer: a thin wrapper over a `tokenizers` byte-level BPE that knows its EOT id, its fingerprint,
-and how many raw bytes each token stands for (the denominator of bits-per-byte).
-
-Production runs use HuggingFaceTB/cosmo2-tokenizer (vocab 49152, `<|endoftext|>` = 0). Offline, the demo trains a
-small byte-level BPE on an embedded corpus, and `prepare_fineweb --train-tokenizer` one on a local corpus; shards and
-manifests record which one was used (`is_demo` for the demo's).
+and how many raw bytes each token stands for (the denominator of bits-per-byte). Production runs use cosmo2 (vocab
+49152, `<|endoftext|>` = 0); the offline demo and `prepare_fineweb --train-tokenizer` train a small byte-level BPE.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ OFFLINE_HINT = (
     "to work offline, pass a local tokenizer.json (--tokenizer path/to/tokenizer.json) "
     "or use `--source demo`, which trains its own small tokenizer"
 )
-
 
 # Byte-level BPE spells each of the 256 bytes as one printable character, so a token's raw byte count is its length.
 BYTE_LEVEL_CHARS = frozenset(pre_tokenizers.ByteLevel.alphabet())
@@ -61,11 +57,8 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
     def token_bytes(self) -> torch.Tensor:
-        """int32 (vocab_size,): raw bytes each token stands for; special tokens 0.
-
-        Counted from the byte-level spelling, not by decoding: a token holding part of a UTF-8 character decodes to
-        U+FFFD (3 bytes) but stands for only the bytes it holds.
-        """
+        """int32 (vocab_size,): raw bytes each token stands for; special tokens 0. Counted from the byte-level
+        spelling, not by decoding: a token holding part of a UTF-8 character decodes to U+FFFD (3 bytes)."""
         decoder = json.loads(self.backend.to_str()).get("decoder")
         if '"ByteLevel"' not in json.dumps(decoder):
             raise PPTError(
@@ -122,10 +115,8 @@ def _download_from_hub(name: str, target: Path) -> None:
 
 
 def load_tokenizer(name_or_path: str | Path = DEFAULT_TOKENIZER) -> Tokenizer:
-    """A local tokenizer.json (or a directory holding one), else a hub name cached under `cache_dir()/tokenizers/`.
-
-    Never substitutes another tokenizer: if the hub cannot be reached and nothing is cached, raises PPTError.
-    """
+    """A local tokenizer.json (or a directory holding one), else a hub name cached under `cache_dir()/tokenizers/`;
+    never another tokenizer: if the hub cannot be reached and nothing is cached, raises PPTError."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"

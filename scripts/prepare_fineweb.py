@@ -6,30 +6,12 @@
     python -m scripts.prepare_fineweb --source ~/books --train-tokenizer --vocab-size 8192 --shuffle-seed 0 \
         --out ~/.cache/ppt/data/books                          # your own corpus, its own tokenizer, no hub
 
-Sources: `fineweb` streams HuggingFaceTB/smollm-corpus (config fineweb-edu-dedup); `demo` uses the documentation
-the Python running this script ships (see `demo_documents`: about 3 MB, 0.85M tokens at vocab 4096) and trains its
-own small BPE on it; anything else is local files, folders (every .txt/.jsonl/.parquet file under them) or globs
-(`**` spans folders): `.txt` is one document per file (UTF-8, a byte order mark dropped), `.jsonl` one per line (its
-`text` field), `.parquet` one per row (its `text` column). A file in UTF-16 or holding NUL bytes is refused, and links
-that lead to no file are left out with a note. Empty documents are skipped, and so is a document identical to an
-earlier one (counted in the summary and meta.json). The val shard holds the first documents of the stream (after
---shuffle-seed, if given) and the train shards the documents after them, so they never overlap; a shard closes at the
-first document boundary past its size. Val takes no document longer than its plan (--val-tokens): such a document goes
-to train, with a note, so val stays below twice the plan; only where none is shorter does val hold the first of them.
-For local files the val split defaults to 5% of the corpus (at most 10M tokens), sized before anything is tokenized
-from the corpus size and the tokenizer's bytes per token on its first megabyte. A document is tokenized in pieces of
-at most 100k characters, cut before a space between two non-space characters (the same tokens as whole for byte-level
-BPEs like cosmo2), so memory stays bounded whatever its length.
-
-Tokenizers: cosmo2 from the hub by default; `--tokenizer path/to/tokenizer.json` for a local one; or
-`--train-tokenizer --vocab-size N` to train a byte-level BPE on the corpus itself (all of it, val included). meta.json
-records which, and how it was made.
-
-Interrupted runs resume: shards are written atomically and meta.json counts the documents the finished shards
-consumed, so a rerun skips exactly those and continues. A rerun also rewrites a recorded shard that went missing or
-was damaged since; otherwise rerunning a finished prepare does nothing, and with a larger --shards adds shards. One
-prepare at a time per --out: a second one stops with the first one's pid. Progress shows as a bar on a terminal, and
-as a line every minute otherwise (nohup, batch jobs), where no library draws a bar either.
+Sources: `fineweb` streams HuggingFaceTB/smollm-corpus (config fineweb-edu-dedup); `demo` uses the documentation the
+Python running this script ships and trains its own small BPE on it; anything else is local .txt/.jsonl/.parquet
+files, folders of them or globs. Tokenizers: cosmo2 from the hub by default, `--tokenizer path/to/tokenizer.json`, or
+`--train-tokenizer --vocab-size N` (a byte-level BPE trained on the corpus itself). Interrupted runs resume, and a
+rerun rewrites a recorded shard that went missing or was damaged; one prepare at a time per --out. SPEC.md, "Shards
+and the data directory", states what is read, split, deduplicated, refused and recorded.
 """
 
 from __future__ import annotations
@@ -220,9 +202,6 @@ def check_free_space(out: Path, meta: dict, tokens: int | None) -> None:
         )
 
 
-# ---- progress ----------------------------------------------------------------------------------------------------
-
-
 class Progress:
     """A tqdm bar on a terminal; elsewhere (nohup, a batch scheduler) a line every PROGRESS_EVERY_S seconds with the
     shards written, the tokens, the rate and, where the total is known, the time left."""
@@ -243,9 +222,6 @@ class Progress:
                 of, eta = f" of about {self.total:,}", duration(max(self.total - self.tokens, 0) / max(rate, 1e-9))
             line = f"tokenizing: {shards} shards written, {self.tokens:,}{of} tokens, {rate:,.0f} tokens/s, ETA {eta}"
             print(line, file=sys.stderr, flush=True)
-
-
-# ---- main --------------------------------------------------------------------------------------------------------
 
 
 def prepare(args: argparse.Namespace) -> None:
