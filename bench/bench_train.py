@@ -71,12 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device-batch-size", type=positive_int, default=16)
     p.add_argument("--total-batch-tokens", type=token_count, help="default: one device batch (no accumulation)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument(
-        "--steps",
-        type=Number(int, MEASURED_AFTER + 1),
-        default=20,
-        help=f"steps per variant, more than {MEASURED_AFTER}: the first {MEASURED_AFTER} are not measured",
-    )
+    steps_help = f"steps per variant, more than {MEASURED_AFTER}: the first {MEASURED_AFTER} are not measured"
+    p.add_argument("--steps", type=Number(int, MEASURED_AFTER + 1), default=20, help=steps_help)
     p.add_argument("--compile", type=CommaList(COMPILE_CHOICES), default="on", help="comma list of on/off/auto")
     p.add_argument("--doc-masks", type=CommaList(ON_OFF), default="on", help="comma list of on (document masks) / off")
     p.add_argument("--nproc", type=positive_int, default=1, help="GPUs: more than 1 launches through torchrun (DDP)")
@@ -104,17 +100,9 @@ def main(argv: list[str] | None = None) -> None:
             extra = ["--config", config, "--compile", compile_choice] + ([] if masks == "on" else ["--no-doc-masks"])
             extra += ["--profile"] if args.profile else []
             summary, stdout = run_variant(base, extra, args.nproc)
-            result = {
-                "config": config,
-                "compile": compile_choice,
-                "doc_masks": masks,
-                "seq_len": args.seq_len,
-                "device_batch": args.device_batch_size,
-                "total_batch": total_batch,
-                "optimizer": args.optimizer,
-                "base_train_flags": " ".join(base_train_flags),
-                **summary,
-            }
+            result = {"config": config, "compile": compile_choice, "doc_masks": masks, "seq_len": args.seq_len,
+                      "device_batch": args.device_batch_size, "total_batch": total_batch, "optimizer": args.optimizer,
+                      "base_train_flags": " ".join(base_train_flags), **summary}  # fmt: skip
             results.append(result)
             if args.profile:
                 print("\n".join(line for line in stdout.splitlines() if not line.startswith(("step ", "benchmark "))))

@@ -60,12 +60,8 @@ def main(argv: list[str] | None = None) -> None:
                    "loss amplifies every rounding difference, so pick one at which the loss falls")  # fmt: skip
     p.add_argument("--phrases", type=nonneg_int, default=1000, help="synthetic text drawn from this many random "
                    "8-token phrases, so the loss falls and gradients carry signal (0: uniform noise)")  # fmt: skip
-    p.add_argument(
-        "--compile",
-        choices=COMPILE_CHOICES,
-        default="off",
-        help="for every run (off: the check is about DDP, not speed)",
-    )
+    p.add_argument("--compile", choices=COMPILE_CHOICES, default="off",
+                   help="for every run (off: the check is about DDP, not speed)")  # fmt: skip
     p.add_argument("--tolerance", type=nonneg_float, default=1e-3, help="largest allowed |loss difference| per step")
     args = p.parse_args(argv)
 

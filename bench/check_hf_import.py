@@ -37,16 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-dir", type=Path, required=True, help="a Hugging Face Llama folder (config.json + safetensors)")
     p.add_argument("--device", default="cpu", help="where both models run, in fp32 (default cpu)")
     p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per row (default 2048)")
-    p.add_argument(
-        "--batch-size", type=positive_int, default=2, help="rows per forward; the first batch's logits are compared"
-    )
+    p.add_argument("--batch-size", type=positive_int, default=2,
+                   help="rows per forward; the first batch's logits are compared")  # fmt: skip
     p.add_argument("--eval-tokens", type=token_count, default=2**15, help="text tokens to score (default 32,768)")
-    p.add_argument(
-        "--atol", type=positive_float, default=1e-3, help="largest |logit difference| accepted (default 1e-3)"
-    )
-    p.add_argument(
-        "--max-bpb", type=positive_float, default=2.0, help="bits per byte a trained model stays below (default 2)"
-    )
+    p.add_argument("--atol", type=positive_float, default=1e-3,
+                   help="largest |logit difference| accepted (default 1e-3)")  # fmt: skip
+    p.add_argument("--max-bpb", type=positive_float, default=2.0,
+                   help="bits per byte a trained model stays below (default 2)")  # fmt: skip
     args = p.parse_args(argv)
     try:
         from transformers import AutoModelForCausalLM

@@ -67,15 +67,11 @@ class RMSNorm(nn.RMSNorm):
         return super().forward(x.float())
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, H, T, D); cos/sin: (T, D). Non-interleaved halves, as Hugging Face Llama does."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # stay in the matmul dtype under autocast
-    return x * cos + rotate_half(x) * sin
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class CausalSelfAttention(nn.Module):
@@ -203,13 +199,8 @@ class Llama(nn.Module):
                 names[f"{ours}.mlp.{proj}.weight"] = f"{theirs}.mlp.{proj}.weight"
         return config, names
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        doc_pos: torch.Tensor | None = None,
-        reduction: str = "mean",
-    ) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_pos: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:  # fmt: skip
         T = check_sequence_length(idx, self.config.max_seq_len)
         mask = document_mask(doc_pos)  # built once per batch, shared by every layer
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
@@ -405,13 +396,8 @@ class MultiscreenLM(nn.Module):
     def param_roles(self) -> dict[str, str]:
         return roles_by_shape(self, embedding="embed")
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        doc_pos: torch.Tensor | None = None,
-        reduction: str = "mean",
-    ) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_pos: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:  # fmt: skip
         B, T = idx.shape
         check_sequence_length(idx, self.config.max_seq_len)
         if doc_pos is None:
@@ -428,11 +414,6 @@ class MultiscreenLM(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Configs and the builder
-
-
-def _ffn_width(d_model: int) -> int:
-    """SwiGLU's 8/3 expansion, rounded up to a multiple of 64 for matmul-friendly shapes."""
-    return 64 * math.ceil(8 * d_model / 3 / 64)
 
 
 CONFIGS: dict[str, LlamaConfig | MultiscreenConfig] = {
@@ -457,7 +438,8 @@ def depth_config(depth: int) -> LlamaConfig:
     if depth < 1:
         raise PPTError(f"depth must be a positive integer, got {depth}")
     d_model = 64 * depth
-    return LlamaConfig(n_layer=depth, n_head=depth, n_kv_head=depth, d_model=d_model, d_ff=_ffn_width(d_model))
+    d_ff = 64 * math.ceil(8 * d_model / 3 / 64)  # SwiGLU's 8/3 expansion, rounded up to a multiple of 64
+    return LlamaConfig(n_layer=depth, n_head=depth, n_kv_head=depth, d_model=d_model, d_ff=d_ff)
 
 
 def get_config(name: str | None = None, depth: int | None = None) -> LlamaConfig | MultiscreenConfig:

@@ -122,13 +122,9 @@ class HybridOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self) -> None:
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            if group["algorithm"] == "adamw":
-                self._adamw_update(params, group)
-            else:
-                self._orthogonal_updates(params, group)
+            if params := [p for p in group["params"] if p.grad is not None]:
+                update = self._adamw_update if group["algorithm"] == "adamw" else self._orthogonal_updates
+                update(params, group)
 
     # Both updates treat a group's tensors as lists (torch._foreach_*): a handful of launches per group instead of
     # several per parameter, since a step of small tensors is bound by how fast the host issues kernels.
@@ -214,16 +210,9 @@ def parameters_by_role(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return grouped
 
 
-def build_optimizer(
-    model: nn.Module,
-    name: str = "adamw",
-    lr: float | None = None,
-    weight_decay: float = 0.0,
-    momentum: float = 0.95,
-    adamw_lr: float = 3e-3,
-    scalar_lr: float | None = None,
-    compile: bool = False,
-) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, name: str = "adamw", lr: float | None = None, weight_decay: float = 0.0,
+                    momentum: float = 0.95, adamw_lr: float = 3e-3, scalar_lr: float | None = None,
+                    compile: bool = False) -> torch.optim.Optimizer:  # fmt: skip
     """The optimizer for `model`, its groups chosen from `model.param_roles()`. `lr` (default DEFAULT_LR[name]) is
     every parameter's for "adamw", the matrices' for "muon" and "aurora", whose embeddings and scalars take AdamW at
     `adamw_lr` (scalars at `scalar_lr` if given). Decoupled weight decay applies to all but scalars. `compile`
@@ -257,14 +246,8 @@ def build_optimizer(
 SCHEDULES = ("constant", "cosine", "wsd")
 
 
-def lr_multiplier(
-    step: int,
-    total_steps: int,
-    warmup_steps: int = 0,
-    schedule: str = "constant",
-    cooldown_frac: float = 0.2,
-    min_lr_frac: float = 0.0,
-) -> float:
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",
+                  cooldown_frac: float = 0.2, min_lr_frac: float = 0.0) -> float:  # fmt: skip
     """Multiplier of the base LR at `step` (0-based): linear warmup, then constant, cosine (from 1 to `min_lr_frac`
     at `total_steps`) or wsd (1, then linear to `min_lr_frac` over the last `cooldown_frac` of `total_steps`)."""
     if schedule not in SCHEDULES:
@@ -279,11 +262,9 @@ def lr_multiplier(
     if schedule == "cosine":
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
-    if schedule == "wsd":
-        cooldown_steps = cooldown_frac * total_steps
-        remaining = total_steps - step
-        if remaining < cooldown_steps:
-            return min_lr_frac + (1 - min_lr_frac) * max(0.0, remaining) / cooldown_steps
+    cooldown_steps, remaining = cooldown_frac * total_steps, total_steps - step
+    if schedule == "wsd" and remaining < cooldown_steps:
+        return min_lr_frac + (1 - min_lr_frac) * max(0.0, remaining) / cooldown_steps
     return 1.0
 
 

@@ -43,8 +43,7 @@ def utilization(cost: Cost, device: str | torch.device | Device, duration_sec: f
     ratios: dict[Row, dict[torch.dtype, float]] = {}
     for row in cost.rows():
         for dtype, flops in cost.flops.get(row, {}).items():
-            intensity = cost.intensity(row, dtype)
-            if intensity is None:
+            if (intensity := cost.intensity(row, dtype)) is None:
                 continue
             peak = known_peak(found, row[1], dtype)
             if duration_sec is None:

@@ -64,16 +64,6 @@ def _gated_output_kernel(
     tl.store(Y + rows[:, None] * D + cols_d[None, :], acc.to(Y.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _fast(x: Tensor) -> bool:
-    """MUFU.TANH for half-precision operands on the GPU; exact math for fp32 and in the interpreter (no inline asm)."""
-    return x.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-def _precision(x: Tensor) -> str:
-    """fp32 inputs get exact IEEE dots (no TF32 rounding); half-precision operands ignore the setting."""
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
 def forward_blocks(d: int, dv: int, element_size: int) -> tuple[int, int, int]:
     """FORWARD_BLOCKS with fewer rows past d = 256 (the fp32 (rows, d) accumulator keeps to 32K elements) and 2 stages
     past a 32 KB tile of w: every shape fits sm_90's shared memory (tests/test_gated_output.py compiles the worst)."""
@@ -87,10 +77,12 @@ def gated_output_forward(h: Tensor, g: Tensor, w: Tensor, blocks: tuple[int, int
     d = w.shape[1]
     block_t, warps, stages = blocks or forward_blocks(d, dV, h.element_size())
     y = h.new_empty((B, T, d))
-    n_rows = B * T
+    n_rows, fp32 = B * T, h.dtype == torch.float32
     if n_rows:
         _gated_output_kernel[(triton.cdiv(n_rows, block_t),)](
-            h, g, w, y, n_rows, H=H, DV=dV, D=d, BLOCK_T=block_t, PRECISION=_precision(h), FAST=_fast(h),
+            h, g, w, y, n_rows, H=H, DV=dV, D=d, BLOCK_T=block_t,
+            PRECISION="ieee" if fp32 else "tf32",  # exact fp32 dots (no TF32 rounding); half precision ignores it
+            FAST=not fp32 and os.environ.get("TRITON_INTERPRET") != "1",  # MUFU.TANH: no inline asm in the interpreter
             num_warps=warps, num_stages=stages, enable_fp_fusion=True,  # FMAs on every Triton (3.10 turns them off)
         )  # fmt: skip
     return y

@@ -216,13 +216,7 @@ def _screening_backward_cuda(
 def _screening_backward_fake(
     q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor, grad_out: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return (
-        q.new_empty(q.shape),
-        k.new_empty(k.shape),
-        v.new_empty(v.shape),
-        torch.empty_like(window),
-        torch.empty_like(rho),
-    )
+    return tuple(torch.empty_like(t) for t in (q, k, v, window, rho))
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor) -> None:
@@ -297,18 +291,16 @@ def screening_cost(B: int, T: int, H: int, dK: int, dV: int, window: Tensor,
     }
 
 
-def forward_cost(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, *args: object,
-                 **kwargs: object) -> dict[str, int]:  # fmt: skip
-    """{"flops", "bytes"} of one `ppt::screening` call, from the op's own arguments."""
-    cost = screening_cost(*q.shape, v.shape[-1], window, doc_start, q.dtype)
-    return {"flops": cost["fwd_flops"], "bytes": cost["fwd_bytes"]}
+def _op_cost(direction: str) -> Callable[..., dict[str, int]]:
+    """{"flops", "bytes"} of one call of `ppt::screening` ("fwd") or `ppt::screening_backward` ("bwd"), from the op's
+    own arguments."""
 
+    def cost(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, *args: object,
+             **kwargs: object) -> dict[str, int]:  # fmt: skip
+        counted = screening_cost(*q.shape, v.shape[-1], window, doc_start, q.dtype)
+        return {"flops": counted[f"{direction}_flops"], "bytes": counted[f"{direction}_bytes"]}
 
-def backward_cost(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, *args: object,
-                  **kwargs: object) -> dict[str, int]:  # fmt: skip
-    """{"flops", "bytes"} of one `ppt::screening_backward` call, from the op's own arguments."""
-    cost = screening_cost(*q.shape, v.shape[-1], window, doc_start, q.dtype)
-    return {"flops": cost["bwd_flops"], "bytes": cost["bwd_bytes"]}
+    return cost
 
 
 def needed_pairs(q: Tensor, k: Tensor, v: Tensor, window: Tensor, *args: object, **kwargs: object) -> list[tuple]:
@@ -333,7 +325,7 @@ def _flops_only(cost_formula: Callable[..., dict[str, int]]) -> Callable[..., in
 
 # Keyed by op packet, as FlopCounterMode looks ops up; each takes the op's arguments (extra keywords such as
 # out_val are ignored). COST_FORMULAS gives {"flops", "bytes"}, FLOP_FORMULAS the FLOPs alone.
-COST_FORMULAS = {torch.ops.ppt.screening: forward_cost, torch.ops.ppt.screening_backward: backward_cost}
+COST_FORMULAS = {torch.ops.ppt.screening: _op_cost("fwd"), torch.ops.ppt.screening_backward: _op_cost("bwd")}
 FLOP_FORMULAS = {op: _flops_only(cost_formula) for op, cost_formula in COST_FORMULAS.items()}
 # ppt.flops's comparison rule: the pairs the forward op needs (the rule counts a backward as twice its forward)
 PAIR_FORMULAS: dict[object, Callable[..., list[tuple]]] = {torch.ops.ppt.screening: needed_pairs}

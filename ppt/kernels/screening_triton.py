@@ -320,8 +320,7 @@ def _screening_dkdv_kernel(
 
 def _shape_args(q: Tensor, v: Tensor) -> tuple[int, ...]:
     """T, H and the batch/token strides of the contiguous (B, T, H, D) q/k/dq and v/dout/h tensors."""
-    B, T, H, _ = q.shape
-    return T, H, q.stride(0), q.stride(1), v.stride(0), v.stride(1)
+    return *q.shape[1:3], q.stride(0), q.stride(1), v.stride(0), v.stride(1)
 
 
 def _launch_args(q: Tensor, v: Tensor, blocks: Blocks) -> dict[str, object]:
@@ -358,18 +357,9 @@ def screening_forward(
     return out
 
 
-def screening_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    window: Tensor,
-    rho: Tensor,
-    doc_start: Tensor,
-    doc_end: Tensor,
-    grad_out: Tensor,
-    dq_plan: Plan | None = None,
-    dkdv_plan: Plan | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def screening_backward(q: Tensor, k: Tensor, v: Tensor, window: Tensor, rho: Tensor, doc_start: Tensor, doc_end: Tensor,
+                       grad_out: Tensor, dq_plan: Plan | None = None,
+                       dkdv_plan: Plan | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv, d window, d rho); the per-head grads are fp32 sums of per-program partials (deterministic)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     B, T, H, _ = q.shape
