@@ -35,8 +35,13 @@ class LanguageModel(Protocol):
     def param_roles(self) -> dict[str, str]:
         """Every trainable parameter's name -> "matrix", "embedding" or "scalar" (the optimizer's groups)."""
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_pos: torch.Tensor | None = None,
-                reduction: str = "mean") -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        doc_pos: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
         """Logits (B, T, vocab) without targets; with them the fp32 NLL, "mean" or "none" (per token)."""
 
 

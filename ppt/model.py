@@ -199,8 +199,13 @@ class Llama(nn.Module):
                 names[f"{ours}.mlp.{proj}.weight"] = f"{theirs}.mlp.{proj}.weight"
         return config, names
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_pos: torch.Tensor | None = None,
-                reduction: str = "mean") -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        doc_pos: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
         T = check_sequence_length(idx, self.config.max_seq_len)
         mask = document_mask(doc_pos)  # built once per batch, shared by every layer
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
@@ -396,8 +401,13 @@ class MultiscreenLM(nn.Module):
     def param_roles(self) -> dict[str, str]:
         return roles_by_shape(self, embedding="embed")
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_pos: torch.Tensor | None = None,
-                reduction: str = "mean") -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        doc_pos: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
         B, T = idx.shape
         check_sequence_length(idx, self.config.max_seq_len)
         if doc_pos is None:

@@ -210,9 +210,16 @@ def parameters_by_role(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return grouped
 
 
-def build_optimizer(model: nn.Module, name: str = "adamw", lr: float | None = None, weight_decay: float = 0.0,
-                    momentum: float = 0.95, adamw_lr: float = 3e-3, scalar_lr: float | None = None,
-                    compile: bool = False) -> torch.optim.Optimizer:  # fmt: skip
+def build_optimizer(
+    model: nn.Module,
+    name: str = "adamw",
+    lr: float | None = None,
+    weight_decay: float = 0.0,
+    momentum: float = 0.95,
+    adamw_lr: float = 3e-3,
+    scalar_lr: float | None = None,
+    compile: bool = False,
+) -> torch.optim.Optimizer:
     """The optimizer for `model`, its groups chosen from `model.param_roles()`. `lr` (default DEFAULT_LR[name]) is
     every parameter's for "adamw", the matrices' for "muon" and "aurora", whose embeddings and scalars take AdamW at
     `adamw_lr` (scalars at `scalar_lr` if given). Decoupled weight decay applies to all but scalars. `compile`
@@ -246,8 +253,14 @@ def build_optimizer(model: nn.Module, name: str = "adamw", lr: float | None = No
 SCHEDULES = ("constant", "cosine", "wsd")
 
 
-def lr_multiplier(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",
-                  cooldown_frac: float = 0.2, min_lr_frac: float = 0.0) -> float:  # fmt: skip
+def lr_multiplier(
+    step: int,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    cooldown_frac: float = 0.2,
+    min_lr_frac: float = 0.0,
+) -> float:
     """Multiplier of the base LR at `step` (0-based): linear warmup, then constant, cosine (from 1 to `min_lr_frac`
     at `total_steps`) or wsd (1, then linear to `min_lr_frac` over the last `cooldown_frac` of `total_steps`)."""
     if schedule not in SCHEDULES:
