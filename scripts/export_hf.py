@@ -121,9 +121,8 @@ def export_model(
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse an out_dir the export may not write: a file, or a folder that holds anything but an earlier export
-    (replacing one deletes the folder, so --force must not reach someone's data), or an earlier export without
-    `overwrite`."""
+    """Refuse a file, a folder holding anything but an earlier export (--force deletes the folder: it must not reach
+    someone's data), or an earlier export without `overwrite`."""
     if out_dir.exists() and not out_dir.is_dir():
         raise PPTError(f"--out {out_dir} is a file, not a folder; pass the path of a folder to write the export into")
     present = sorted(p.name for p in out_dir.iterdir()) if out_dir.exists() else []
