@@ -136,23 +136,22 @@ def _output_types(manager: TaskManager, name: str, seen: set[str]) -> set[str]:
 
 def check_tasks(manager: TaskManager, benchmarks: tuple[Benchmark, ...]) -> None:
     """Unknown names (with close valid ones) and tasks that need generation fail here, before any model work."""
-    for bench in benchmarks:
-        for name in bench.tasks:
-            if name not in manager.task_index:
-                close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
-                hint = f"; did you mean {', '.join(close)}?" if close else ""
-                raise PPTError(
-                    f"unknown lm-eval task {name!r}{hint} (`python -m scripts.lm_eval ls tasks` lists them all; "
-                    "local tasks need --include-path DIR)"
-                )
-            generative = sorted(
-                _output_types(manager, name, set()) - {"loglikelihood", "multiple_choice", "loglikelihood_rolling"}
+    for name in [task for bench in benchmarks for task in bench.tasks]:
+        if name not in manager.task_index:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise PPTError(
+                f"unknown lm-eval task {name!r}{hint} (`python -m scripts.lm_eval ls tasks` lists them all; "
+                "local tasks need --include-path DIR)"
             )
-            if generative:
-                raise PPTError(
-                    f"task {name!r} needs {', '.join(generative)}, which ppt's adapter does not support "
-                    "(it scores loglikelihoods only); choose multiple-choice or loglikelihood tasks"
-                )
+        generative = sorted(
+            _output_types(manager, name, set()) - {"loglikelihood", "multiple_choice", "loglikelihood_rolling"}
+        )
+        if generative:
+            raise PPTError(
+                f"task {name!r} needs {', '.join(generative)}, which ppt's adapter does not support "
+                "(it scores loglikelihoods only); choose multiple-choice or loglikelihood tasks"
+            )
 
 
 def _headline(metrics: dict[str, float], wanted: str) -> str:
@@ -368,9 +367,8 @@ class PPTLM(TemplateLM):
     def _score(
         self, windows: list[tuple[list[int], int]], desc: str, disable_tqdm: bool | None
     ) -> list[tuple[float, bool]]:
-        """(log P(last n tokens | the tokens before them), whether each is the argmax) for each (tokens, n) window.
-        Longest first: batches pad little (with EOT, after the tokens, unseen by causal attention) and run out of
-        memory at once if at all."""
+        """(log P(last n tokens | those before), whether each is the argmax) per (tokens, n) window. Longest first:
+        batches pad little (EOT after the tokens, unseen by causal attention) and run out of memory at once, if ever."""
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
         results: list[tuple[float, bool]] = [(0.0, True)] * len(windows)
         bar = tqdm(total=len(windows), desc=desc, disable=True if disable_tqdm or self.rank != 0 else None)

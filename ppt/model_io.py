@@ -99,8 +99,7 @@ class LoadedRun:
 
     @property
     def manifest_paths(self) -> list[Path]:
-        """The run manifest in the reports dir and its copy beside the checkpoints; a Hugging Face folder's only in the
-        reports dir (the folder is not ppt's to write)."""
+        """The run manifest in the reports dir and its copy beside the checkpoints (not in a Hugging Face folder)."""
         reports = cache_dir() / "reports" / f"{self.tag}.json"
         return [reports] if self.hf_dir else [reports, self.path.parent / f"{self.tag}.json"]
 
@@ -144,8 +143,7 @@ def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | No
 
 
 def recorded_out_dir(tag: str) -> Path | None:
-    """The output directory run `tag`'s record (<cache>/reports/<tag>.json) names; None when it has no training
-    record (none, or only the scores base_eval saved for a checkpoint that had none)."""
+    """The output directory run `tag`'s training record names; None without one (or with base_eval's scores only)."""
     path = cache_dir() / "reports" / f"{tag}.json"
     try:
         data = json.loads(path.read_text())
@@ -162,8 +160,7 @@ def load_run(
     hf_dir: str | Path | None = None,
     model_file: ModelFile | None = None,
 ) -> LoadedRun:
-    """A ppt checkpoint (`checkpoint`, else the latest of `model_tag`), or a Hugging Face folder (`hf_dir`, which
-    `model_file` imports)."""
+    """A ppt checkpoint (`checkpoint`, else the latest of `model_tag`), or a Hugging Face folder (`hf_dir`)."""
     if hf_dir:
         if model_tag or checkpoint:
             raise PPTError("a Hugging Face folder names the model on its own: drop --model-tag / --checkpoint")

@@ -166,8 +166,7 @@ def save_evaluation(run: LoadedRun, evaluation: dict[str, Any]) -> list[Path]:
 
 
 def log_to_wandb(record: RunRecord | None, evaluation: dict[str, Any]) -> str | None:
-    """Log the scores to the wandb run the training run logged to (its record's `wandb`), continuing it.
-    Returns the run id, or None when there is none or wandb is not installed."""
+    """Log the scores to the training run's wandb run (its record's `wandb`): its id, or None (none, or no wandb)."""
     recorded = (record and record.wandb) or {}
     if not recorded.get("id"):
         return None
@@ -226,7 +225,6 @@ def main(argv: list[str] | None = None) -> None:
         tasks = None
         if not args.skip_tasks:
             tasks = chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir), max_seq_len)
-        # what contexts start with: EOT; an imported folder's, as its own tokenizer starts a text (its BOS, or nothing)
         prefix = None if tasks is None else context_prefix(run, tokenizer)
         started = time.time()
         val = DataLoader(
