@@ -321,8 +321,7 @@ def plot(settings: list[Setting], path: Path) -> None:
             if len(setting.runs) > 1:
                 ax.fill_between(x, [min(v) for v in bpb], [max(v) for v in bpb], color=line.get_color(), alpha=0.2)
     for ax, label in zip(axes, ("tokens", "comparison FLOPs"), strict=True):
-        ax.set_xscale("log")
-        ax.set_xlabel(label)
+        ax.set(xscale="log", xlabel=label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("val bits per byte")
     fig.suptitle("val bpb: mean over seeds, band from the lowest to the highest seed", fontsize=10)
