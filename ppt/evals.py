@@ -1,23 +1,16 @@
 """Benchmarks through the LM Evaluation Harness: an lm-eval `LM` over the model contract, and the task presets.
 
-The adapter scores token sequences with the model's logits; nothing is converted to Hugging Face. Strings are
-tokenized with ppt's tokenizer, and every context of a ppt-trained model is prefixed with EOT, because in training
-every document is preceded by the EOT that begins it (SPEC.md, "Documents and packing"): the model has only ever
-seen text that starts after an EOT, so that is how a request starts too. The Hugging Face export
-(`scripts/export_hf.py`) makes its tokenizer add the same EOT as BOS, so lm-eval's `HFLM` on the export scores the
-same tokens. A model imported from a Hugging Face folder was trained with its own convention, so its contexts start
-with what the folder's tokenizer puts before a text (`ppt.model_io.context_prefix`; SmolLM2's puts nothing), as
-`HFLM` scores it.
+The adapter scores token sequences with the model's logits; nothing is converted to Hugging Face. Every context of a
+ppt-trained model starts with EOT, as every training document does (SPEC.md, "Documents and packing"); the Hugging
+Face export's tokenizer adds the same EOT as BOS, so lm-eval's `HFLM` on the export scores the same tokens. A model
+imported from a Hugging Face folder starts with what that folder's tokenizer puts before a text
+(`ppt.model_io.context_prefix`), as `HFLM` scores it. Requests longer than `max_seq_len` keep their continuation and
+lose the oldest context tokens (training rows also begin mid-document); rolling loglikelihoods use lm-eval's disjoint
+windows. Generation is not supported: every preset task is scored by loglikelihood.
 
-Requests longer than the model's `max_seq_len` keep their continuation and lose the oldest context tokens (the EOT
-first): training rows also begin mid-document. Rolling loglikelihoods (perplexity tasks) use lm-eval's disjoint
-sliding windows. Generation is not supported: ppt evaluates pretraining, and every preset task is scored by
-loglikelihood.
-
-Two presets (a row of the report averages its tasks' metric; percentages):
-- `ppt`: LAMBADA (lambada_openai), HellaSwag, PIQA 0-shot; WinoGrande 5-shot; ARC-Easy and ARC-Challenge 25-shot
-  (ARC = their mean); MMLU 5-shot.
-- `mor` (the Mixture-of-Recursions paper): the same tasks, all 0-shot except MMLU 5-shot.
+Presets (a row of the report averages its tasks' metric, in percent): `ppt`: LAMBADA, HellaSwag, PIQA 0-shot;
+WinoGrande 5-shot; ARC-Easy and ARC-Challenge 25-shot (ARC = their mean); MMLU 5-shot. `mor` (the Mixture-of-Recursions
+paper): the same tasks, all 0-shot except MMLU 5-shot.
 """
 
 from __future__ import annotations
@@ -55,8 +48,7 @@ HUB_HINT = "check the network, or pass --include-path DIR with task YAMLs over l
 
 @contextmanager
 def hub_errors(what: str, hint: str = HUB_HINT) -> Iterator[None]:
-    """Data that could not be fetched (offline, or the hub unreachable: datasets and huggingface_hub raise
-    ConnectionError) as one PPTError naming it and `hint`, not a traceback."""
+    """Data that could not be fetched (datasets and huggingface_hub raise ConnectionError) as one PPTError line."""
     try:
         yield
     except ConnectionError as exc:
@@ -124,13 +116,11 @@ def task_manager(include_paths: Sequence[str | Path] = (), include_defaults: boo
 
 def _output_types(manager: TaskManager, name: str, seen: set[str]) -> set[str]:
     """Output types of every leaf task under a task, group or tag name, read from the YAML index (no downloads)."""
-    if name in seen:
+    entry = manager.task_index[name]
+    if name in seen or entry.kind.name == "PY_TASK":  # a Python class: its type is known only once built
         return set()
     seen.add(name)
-    entry = manager.task_index[name]
     cfg = entry.cfg or {}
-    if entry.kind.name == "PY_TASK":  # a Python class: its type shows only once built; generate_until says so
-        return set()
     if entry.kind.name == "TAG":
         return set().union(*(_output_types(manager, task, seen) for task in entry.tags))
     if entry.kind.name == "GROUP":
@@ -146,23 +136,22 @@ def _output_types(manager: TaskManager, name: str, seen: set[str]) -> set[str]:
 
 def check_tasks(manager: TaskManager, benchmarks: tuple[Benchmark, ...]) -> None:
     """Unknown names (with close valid ones) and tasks that need generation fail here, before any model work."""
-    for bench in benchmarks:
-        for name in bench.tasks:
-            if name not in manager.task_index:
-                close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
-                hint = f"; did you mean {', '.join(close)}?" if close else ""
-                raise PPTError(
-                    f"unknown lm-eval task {name!r}{hint} (`python -m scripts.lm_eval ls tasks` lists them all; "
-                    "local tasks need --include-path DIR)"
-                )
-            generative = sorted(
-                _output_types(manager, name, set()) - {"loglikelihood", "multiple_choice", "loglikelihood_rolling"}
+    for name in [task for bench in benchmarks for task in bench.tasks]:
+        if name not in manager.task_index:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise PPTError(
+                f"unknown lm-eval task {name!r}{hint} (`python -m scripts.lm_eval ls tasks` lists them all; "
+                "local tasks need --include-path DIR)"
             )
-            if generative:
-                raise PPTError(
-                    f"task {name!r} needs {', '.join(generative)}, which ppt's adapter does not support "
-                    "(it scores loglikelihoods only); choose multiple-choice or loglikelihood tasks"
-                )
+        generative = sorted(
+            _output_types(manager, name, set()) - {"loglikelihood", "multiple_choice", "loglikelihood_rolling"}
+        )
+        if generative:
+            raise PPTError(
+                f"task {name!r} needs {', '.join(generative)}, which ppt's adapter does not support "
+                "(it scores loglikelihoods only); choose multiple-choice or loglikelihood tasks"
+            )
 
 
 def _headline(metrics: dict[str, float], wanted: str) -> str:
@@ -183,11 +172,8 @@ def run_benchmarks(
     limit: int | float | None = None,
     bootstrap_iters: int = 1000,
 ) -> dict[str, Any] | None:
-    """Run the benchmarks, one lm-eval call per shot count; None on ranks other than 0.
-
-    Returns `rows` ({label: score in percent}), `avg` (their mean), `metrics` (which metric each row reports) and
-    `tasks` ({task: {"num_fewshot", "metrics"}}, every number lm-eval reported).
-    """
+    """Run the benchmarks, one lm-eval call per shot count: `rows` ({label: percent}), `avg`, `metrics` (each row's
+    metric) and `tasks` ({task: {"num_fewshot", "samples", "metrics"}}); None on ranks other than 0."""
     by_shots: dict[int, list[str]] = defaultdict(list)
     for bench in benchmarks:
         by_shots[bench.num_fewshot] += [t for t in bench.tasks if t not in by_shots[bench.num_fewshot]]
@@ -227,11 +213,8 @@ def run_benchmarks(
 
 
 def write_choice_task(examples: list[dict[str, Any]], directory: str | Path, name: str) -> None:
-    """Write `<directory>/<name>.jsonl` and `<name>.yaml`: a multiple-choice lm-eval task over local rows.
-
-    Each example is {"context": str, "choices": [str, ...], "label": int}. Load it with
-    `task_manager([directory])`; nothing touches the network (the dataset cache sits in the same folder).
-    """
+    """Write `<directory>/<name>.jsonl` and `<name>.yaml`, an offline multiple-choice task (`task_manager([directory])`)
+    over examples {"context": str, "choices": [str, ...], "label": int}."""
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     data = directory / f"{name}.jsonl"
@@ -363,10 +346,8 @@ class PPTLM(TemplateLM):
         owners, windows = [], []
         for index, (string,) in enumerate(req.args for req in requests):
             tokens = self.tok_encode(string, add_special_tokens=False)
-            for context, predicted in map(
-                make_disjoint_window,
-                get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, context_len=1),
-            ):
+            rolling = get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, context_len=1)
+            for context, predicted in map(make_disjoint_window, rolling):
                 owners.append(index)
                 windows.append((context + predicted, len(predicted)))
         totals = [0.0] * len(requests)
@@ -386,11 +367,8 @@ class PPTLM(TemplateLM):
     def _score(
         self, windows: list[tuple[list[int], int]], desc: str, disable_tqdm: bool | None
     ) -> list[tuple[float, bool]]:
-        """(log P(last n tokens | the tokens before them), whether each is the argmax) for each (tokens, n) window.
-
-        Longest first, so batches pad little and an out-of-memory error comes at once; rows are right-padded with
-        EOT, which causal attention never lets an earlier position see.
-        """
+        """(log P(last n tokens | those before), whether each is the argmax) per (tokens, n) window. Longest first:
+        batches pad little (EOT after the tokens, unseen by causal attention) and run out of memory at once, if ever."""
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
         results: list[tuple[float, bool]] = [(0.0, True)] * len(windows)
         bar = tqdm(total=len(windows), desc=desc, disable=True if disable_tqdm or self.rank != 0 else None)

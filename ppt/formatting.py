@@ -31,13 +31,10 @@ def si(x: float) -> str:
 def duration(seconds: float) -> str:
     """42s, 5m08s, 7h58m, 2d03h."""
     seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+    for size, unit, part, part_unit in ((86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s")):
+        if seconds >= size:
+            return f"{seconds // size}{unit}{seconds % size // part:02d}{part_unit}"
+    return f"{seconds}s"
 
 
 def text_table(header: list[list[str]], body: list[tuple[str, list[str]]]) -> str:

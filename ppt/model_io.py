@@ -1,16 +1,10 @@
 """Find a run's checkpoint, rebuild its model from ppt/model.py, and load the tokenizer it was trained with.
 
 Shared by base_eval, lm_eval, export_hf and bench.check_hf_import. Fixed code never imports ppt/model.py: the entry
-point hands over what it needs from it as a `ModelFile` (`ModelFile.of(ppt.model)`): CONFIGS, build_model, the
-optional config_from_hf and OP_FORMULAS (how the FLOPs trace counts custom ops). A checkpoint stores
-`config = {"class": <config class>, **fields}`; the class must be the class of some config in CONFIGS and the weights
-must fit the model it builds, else the checkpoint is of another architecture and loading stops with a message saying
-so.
-
-A Hugging Face model folder (config.json + safetensors, what `save_pretrained` writes) loads as a run too
-(`load_run(hf_dir=..., model_file=...)`): the model file's `config_from_hf` turns its config.json into a ppt config
-and the model's `hf_mapping()` names each weight, so a public checkpoint is scored by the same model code and
-evaluation as a run.
+point hands over what it needs as a `ModelFile.of(ppt.model)`. A checkpoint stores `config = {"class": <config
+class>, **fields}`; a class not in CONFIGS, or weights that do not fit the model it builds, stop loading with a message
+naming the other architecture. A Hugging Face folder (config.json + safetensors) loads as a run too, through the model
+file's `config_from_hf` and the model's `hf_mapping()`, so a public checkpoint is scored by the same code as a run.
 """
 
 from __future__ import annotations
@@ -49,7 +43,6 @@ class ModelFile:
 
     @classmethod
     def of(cls, module: ModuleType) -> ModelFile:
-        """The model file's parts, read from the module: `ModelFile.of(ppt.model)`."""
         optional = getattr(module, "config_from_hf", None), getattr(module, "OP_FORMULAS", NO_FORMULAS)
         return cls(module.CONFIGS, module.build_model, *optional)
 
@@ -93,7 +86,7 @@ class ModelFile:
 
 @dataclass
 class LoadedRun:
-    """A checkpoint and what was needed to use it."""
+    """A checkpoint (or a Hugging Face folder) loaded."""
 
     path: Path
     tag: str
@@ -106,14 +99,12 @@ class LoadedRun:
 
     @property
     def manifest_paths(self) -> list[Path]:
-        """The run manifest in the reports dir and its copy beside the checkpoints (base_train writes both); a
-        Hugging Face folder's only in the reports dir, since its folder is not ppt's to write."""
+        """The run manifest in the reports dir and its copy beside the checkpoints (not in a Hugging Face folder)."""
         reports = cache_dir() / "reports" / f"{self.tag}.json"
         return [reports] if self.hf_dir else [reports, self.path.parent / f"{self.tag}.json"]
 
     def record(self) -> RunRecord | None:
-        """The training run's record (the first of manifest_paths that exists); None when it has none, as a Hugging
-        Face folder never has."""
+        """The training run's record (the first of manifest_paths that exists); None without one (Hugging Face)."""
         path = next((p for p in self.manifest_paths if p.is_file()), None)
         return RunRecord.load(path) if path and not self.hf_dir else None
 
@@ -152,8 +143,7 @@ def resolve_checkpoint(model_tag: str | None = None, checkpoint: str | Path | No
 
 
 def recorded_out_dir(tag: str) -> Path | None:
-    """The output directory run `tag`'s record (<cache>/reports/<tag>.json) names; None when it has no training
-    record (none, or only the scores base_eval saved for a checkpoint that had none)."""
+    """The output directory run `tag`'s training record names; None without one (or with base_eval's scores only)."""
     path = cache_dir() / "reports" / f"{tag}.json"
     try:
         data = json.loads(path.read_text())
@@ -170,8 +160,7 @@ def load_run(
     hf_dir: str | Path | None = None,
     model_file: ModelFile | None = None,
 ) -> LoadedRun:
-    """A ppt checkpoint (`checkpoint`, else the latest of `model_tag`), or a Hugging Face folder (`hf_dir`, which
-    `model_file` imports)."""
+    """A ppt checkpoint (`checkpoint`, else the latest of `model_tag`), or a Hugging Face folder (`hf_dir`)."""
     if hf_dir:
         if model_tag or checkpoint:
             raise PPTError("a Hugging Face folder names the model on its own: drop --model-tag / --checkpoint")
@@ -184,8 +173,8 @@ def load_run(
 
 
 def load_tokenizer_for(run: LoadedRun, data_dir: str | Path | None = None) -> tuple[Tokenizer, Path]:
-    """The tokenizer of `data_dir` (default: the run's recorded data dir; for a Hugging Face folder its own
-    tokenizer.json; else the default data dir), checked against the fingerprint the model was trained with."""
+    """The tokenizer of `data_dir` (default: the run's recorded data dir; a Hugging Face folder's own tokenizer.json;
+    else the default data dir), checked against the fingerprint the model was trained with."""
     recorded = (record := run.record()) and record.data["dir"]
     if not data_dir and recorded and not (Path(recorded) / "meta.json").is_file():
         raise PPTError(
@@ -251,18 +240,16 @@ def hf_tokenizer(hf_dir: Path) -> Tokenizer | None:
 
 
 def encoding_fingerprint(tokenizer: Tokenizer) -> str:
-    """sha256 of the tokenizer JSON without its post-processor, by which a Hugging Face folder's tokenizer and a data
-    dir's are compared: the post-processor is the BOS/EOS template transformers applies (an export adds EOT there),
-    while ppt encodes without special tokens and adds EOT itself."""
+    """sha256 of the tokenizer JSON without its post-processor (the BOS/EOS template transformers applies; ppt adds
+    EOT itself), by which a Hugging Face folder's tokenizer and a data dir's are compared."""
     spec = json.loads(tokenizer.backend.to_str())
     spec.pop("post_processor", None)
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 def context_prefix(run: LoadedRun, tokenizer: Tokenizer) -> list[int]:
-    """The tokens every benchmark context starts with: EOT for a ppt-trained run; for a model imported from a Hugging
-    Face folder, what the folder's own tokenizer puts before a text (its BOS, or nothing), as transformers applies it
-    and so lm-eval's HFLM scores the folder."""
+    """The tokens every benchmark context starts with: EOT for a ppt-trained run; for a Hugging Face folder, what its
+    own tokenizer puts before a text (its BOS, or nothing), as lm-eval's HFLM scores the folder."""
     if not run.hf_dir:
         return [tokenizer.eot_id]
     from transformers import AutoTokenizer  # the eval extra, which benchmarks need

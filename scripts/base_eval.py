@@ -25,7 +25,6 @@ import argparse
 import json
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,15 +98,6 @@ def val_documents(data_dir: Path, tokenizer: Tokenizer) -> list[str]:
     return [tokenizer.decode(tokens[a + 1 : b].tolist()) for a, b in zip(boundaries, boundaries[1:]) if b > a + 1]
 
 
-@dataclass(frozen=True)
-class Tasks:
-    """The lm-eval tasks a run scores, found in the task manager and checked before any model work."""
-
-    benchmarks: tuple
-    protocol: str
-    manager: Any
-
-
 def chosen_tasks(
     args: argparse.Namespace,
     custom_tasks: tuple | None,
@@ -115,10 +105,9 @@ def chosen_tasks(
     data_dir: Path,
     demo_dir: Path,
     max_seq_len: int,
-) -> Tasks:
-    """The chosen tasks (preset, --tasks as `custom_tasks` parsed, and/or the demo task), every name and output type
-    checked. The demo task is written into demo_dir, which must outlive the tasks' run, from passages whose choices
-    fit the model's `max_seq_len`."""
+) -> tuple[tuple, str, Any]:
+    """(benchmarks, protocol name, task manager) of the preset, `custom_tasks` (--tasks parsed) and/or the demo task
+    (written into demo_dir, which must outlive the run), every name and output type checked."""
     from ppt import evals  # lazily: needs the eval extra, which --skip-tasks does not
 
     if custom_tasks:
@@ -137,7 +126,7 @@ def chosen_tasks(
     # lm-eval's built-in index takes seconds to build: skip it when only the local demo task runs
     manager = evals.task_manager(include, include_defaults=protocol != "demo")
     evals.check_tasks(manager, benchmarks)
-    return Tasks(benchmarks, protocol, manager)
+    return benchmarks, protocol, manager
 
 
 def table(bpb: dict[str, float], bench: dict[str, Any] | None) -> str:
@@ -177,8 +166,7 @@ def save_evaluation(run: LoadedRun, evaluation: dict[str, Any]) -> list[Path]:
 
 
 def log_to_wandb(record: RunRecord | None, evaluation: dict[str, Any]) -> str | None:
-    """Log the scores to the wandb run the training run logged to (its record's `wandb`), continuing it.
-    Returns the run id, or None when there is none or wandb is not installed."""
+    """Log the scores to the training run's wandb run (its record's `wandb`): its id, or None (none, or no wandb)."""
     recorded = (record and record.wandb) or {}
     if not recorded.get("id"):
         return None
@@ -237,7 +225,6 @@ def main(argv: list[str] | None = None) -> None:
         tasks = None
         if not args.skip_tasks:
             tasks = chosen_tasks(args, custom_tasks, tokenizer, data_dir, Path(demo_dir), max_seq_len)
-        # what contexts start with: EOT; an imported folder's, as its own tokenizer starts a text (its BOS, or nothing)
         prefix = None if tasks is None else context_prefix(run, tokenizer)
         started = time.time()
         val = DataLoader(
@@ -255,12 +242,13 @@ def main(argv: list[str] | None = None) -> None:
         if tasks is not None:
             from ppt import evals
 
+            benchmarks, protocol, manager = tasks
             lm = evals.PPTLM(model, tokenizer, rt.device, rt.dtype, batch_size=args.batch_size, prefix=prefix)
             limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
-            bench = evals.run_benchmarks(lm, tasks.benchmarks, tasks.manager, limit=limit)
+            bench = evals.run_benchmarks(lm, benchmarks, manager, limit=limit)
             if bench is not None:
-                bench |= {"protocol": tasks.protocol, "context_prefix": prefix}
-                bench["shots"] = {b.label: b.num_fewshot for b in tasks.benchmarks}
+                bench |= {"protocol": protocol, "context_prefix": prefix}
+                bench["shots"] = {b.label: b.num_fewshot for b in benchmarks}
 
     if rt.is_master:
         print0(table(bpb, bench))

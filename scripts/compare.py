@@ -96,8 +96,8 @@ def load_finished(path: Path) -> RunRecord:
 
 
 def setting_fields(record: RunRecord) -> dict[str, Any]:
-    """Everything that defines a run's setting: all but the seeds, the names and how it was launched (and the step
-    counts a FLOPs budget sets, which vary with the documents of the first batch)."""
+    """What defines a run's setting: all but the seeds, names, launch details, and the step counts a FLOPs budget
+    sets (they vary with the documents of the first batch)."""
     train = record.train
     groups = [{k: g[k] for k in OPTIMIZER_KEYS if k in g} for g in train.optimizer_groups]
     derived = {"steps", "last_step", "warmup_steps"} if train.target_flops else set()
@@ -201,22 +201,18 @@ def _bpb(values: list[float], regimes: dict[str, float]) -> str:
     return text + (" (not below the bigram)" if bigram is not None and mean >= bigram else "")
 
 
-def _difference(setting: Setting, baseline: Setting) -> str:
+def _differences(setting: Setting, baseline: Setting) -> list[str]:
+    """The cells Δ bpb (Welch's interval) and paired Δ (over the seeds both ran) against the baseline."""
     if setting is baseline:
-        return "baseline"
+        return ["baseline", "baseline"]
     values, reference = setting.final("val_bpb"), baseline.final("val_bpb")
     interval = welch_interval(values, reference)
     if interval is None:
-        return f"{statistics.fmean(values) - statistics.fmean(reference):+.4f}, n/a (one seed)"
-    difference, low, high = interval
-    return f"{difference:+.4f} [{low:+.4f}, {high:+.4f}]"
-
-
-def _paired(setting: Setting, baseline: Setting) -> str:
-    if setting is baseline:
-        return "baseline"
+        welch = f"{statistics.fmean(values) - statistics.fmean(reference):+.4f}, n/a (one seed)"
+    else:
+        welch = "{:+.4f} [{:+.4f}, {:+.4f}]".format(*interval)
     pairs = paired_interval(setting.by_seeds(), baseline.by_seeds())
-    return "-" if pairs is None else f"{pairs[0]:+.4f} [{pairs[1]:+.4f}, {pairs[2]:+.4f}] ({pairs[3]} pairs)"
+    return [welch, "-" if pairs is None else "{:+.4f} [{:+.4f}, {:+.4f}] ({} pairs)".format(*pairs)]
 
 
 def pick_baseline(settings: list[Setting], baseline: str | None) -> Setting:
@@ -236,8 +232,8 @@ def pick_baseline(settings: list[Setting], baseline: str | None) -> Setting:
 
 
 def budget_notes(settings: list[Setting]) -> list[str]:
-    """What makes a difference in the table other than one at equal cost: settings of different budgets, and runs
-    of one budget whose realized comparison FLOPs are more than FLOPS_TOLERANCE apart."""
+    """Why a difference may not be at equal cost: settings of different budgets, or runs of one budget whose realized
+    comparison FLOPs are more than FLOPS_TOLERANCE apart."""
     notes = []
     budgets = {s.label: s.fields["target_flops"] or f"{s.runs[0].train.target_tokens:,} tokens" for s in settings}
     if len({_key(b) for b in budgets.values()}) > 1:
@@ -278,8 +274,7 @@ def table(
             si(statistics.fmean(setting.final("tokens"))),
             f"{statistics.fmean(setting.final('comparison_flops')):.4g}" + " *" * bool(reasons),
             _bpb(setting.final("val_bpb"), regimes),
-            _difference(setting, baseline),
-            _paired(setting, baseline),
+            *_differences(setting, baseline),
             *[duration(statistics.fmean(setting.final("wall_time_s"))), si(statistics.fmean(speeds)) if speeds else "-"]
             * times,
         ]
@@ -326,8 +321,7 @@ def plot(settings: list[Setting], path: Path) -> None:
             if len(setting.runs) > 1:
                 ax.fill_between(x, [min(v) for v in bpb], [max(v) for v in bpb], color=line.get_color(), alpha=0.2)
     for ax, label in zip(axes, ("tokens", "comparison FLOPs"), strict=True):
-        ax.set_xscale("log")
-        ax.set_xlabel(label)
+        ax.set(xscale="log", xlabel=label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("val bits per byte")
     fig.suptitle("val bpb: mean over seeds, band from the lowest to the highest seed", fontsize=10)

@@ -121,9 +121,8 @@ def export_model(
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse an out_dir the export may not write: a file, or a folder that holds anything but an earlier export
-    (replacing one deletes the folder, so --force must not reach someone's data), or an earlier export without
-    `overwrite`."""
+    """Refuse a file, a folder holding anything but an earlier export (--force deletes the folder: it must not reach
+    someone's data), or an earlier export without `overwrite`."""
     if out_dir.exists() and not out_dir.is_dir():
         raise PPTError(f"--out {out_dir} is a file, not a folder; pass the path of a folder to write the export into")
     present = sorted(p.name for p in out_dir.iterdir()) if out_dir.exists() else []
@@ -141,7 +140,7 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
         )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-tag", help="a training run's --tag: its latest checkpoint is exported")
     p.add_argument("--checkpoint", type=Path, help="a step_*.pt file (or a folder of them) instead of --model-tag")
@@ -149,11 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight precision (default fp32)")
     p.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     run = load_run(args.model_tag, args.checkpoint)
     model_mapping(run.config)  # an architecture without one is refused before looking for a tokenizer
     tokenizer, _ = load_tokenizer_for(run, args.data_dir)

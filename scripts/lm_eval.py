@@ -46,19 +46,14 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 DTYPES |= {"fp32": torch.float32, "float32": torch.float32}
 DEFAULT_BATCH_SIZE = 16
 HUB_HINT = "check the network and HF_HUB_OFFLINE, or pass --include_path DIR with task YAMLs over local files"
-# ppt.model_io's messages name base_eval's flags; here the same settings are keys of --model_args
-MODEL_ARGS = {
-    "model-tag": "model_tag=TAG",
-    "checkpoint": "checkpoint=PATH",
-    "hf-dir": "hf_dir=DIR",
-    "data-dir": "data_dir=DIR",
-}
+# ppt.model_io's messages name base_eval's flags; here the same settings are keys of --model_args: {flag: value}
+MODEL_ARGS = {"model-tag": "TAG", "checkpoint": "PATH", "hf-dir": "DIR", "data-dir": "DIR"}
 FLAG = re.compile(rf"--({'|'.join(MODEL_ARGS)})\b( [A-Z]+)?")  # the flag and its placeholder, if any
 
 
 def in_model_args(message: str) -> str:
     """A message that names base_eval's flags (--model-tag TAG), with the --model_args keys this script takes."""
-    return FLAG.sub(lambda m: f"--model_args {MODEL_ARGS[m.group(1)]}", message)
+    return FLAG.sub(lambda m: f"--model_args {m.group(1).replace('-', '_')}={MODEL_ARGS[m.group(1)]}", message)
 
 
 def parse_batch_size(value: Any) -> int:
