@@ -27,6 +27,8 @@ import glob
 import io
 import json
 import math
+import os
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -116,8 +118,9 @@ def _key(value: Any) -> str:
 
 
 def group_settings(runs: list[RunRecord]) -> list[Setting]:
-    """Runs grouped by setting, in the order they were given, each labelled by its config name and whatever sets it
-    apart from other settings of that config."""
+    """Runs grouped by setting, in the order they were given, each labelled by what its runs were named (the tags'
+    common stem: "books-s0" and "books-s1" are "books"), or where that names no setting alone, by its config name and
+    whatever sets it apart from other settings of that config."""
     groups: dict[str, tuple[dict, list[RunRecord]]] = {}
     for run in runs:
         fields_ = setting_fields(run)
@@ -138,11 +141,20 @@ def group_settings(runs: list[RunRecord]) -> list[Setting]:
         varying = [k for k in shown if len({_key(f.get(k)) for f in same_config}) > 1]
         details = ", ".join(f"{k}={_short(fields_[k])}" for k in varying)
         settings.append(Setting(str(fields_["config"]) + (f" ({details})" if details else ""), fields_, members))
+    stems = [tag_stem([run.run for run in s.runs]) for s in settings]
+    for setting, stem in zip(settings, stems, strict=True):
+        if stem and stems.count(stem) == 1:
+            setting.label = stem
     labels = [s.label for s in settings]  # before numbering: the last of a shared label must be numbered too
     for i, setting in enumerate(settings):  # settings told apart only by a MUST_MATCH difference or optimizer groups
         if labels.count(setting.label) > 1:
             setting.label += f" #{i + 1}"
     return settings
+
+
+def tag_stem(tags: list[str]) -> str:
+    """The name runs share: one run's tag, or several runs' common prefix less a trailing seed part ("-s", "_seed")."""
+    return re.sub(r"[-_.]+(s|seed)?$", "", os.path.commonprefix(tags)) if len(tags) > 1 else tags[0]
 
 
 def _short(value: Any) -> str:

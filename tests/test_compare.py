@@ -44,22 +44,22 @@ def test_table_groups_seeds_and_reports_means_intervals_and_benchmarks(tmp_path)
     manifest = json.loads(paths[0].read_text())
     paths[0].write_text(json.dumps({**manifest, "eval": eval_result}))
 
-    text = compare([str(tmp_path / "v*.json"), *map(str, paths[3:5])], baseline="vanilla (lr=0.003)")
+    text = compare([str(tmp_path / "v*.json"), *map(str, paths[3:5])], baseline="v")
     table = rows(text)
-    assert list(table) == ["vanilla (lr=0.01)", "vanilla (lr=0.003)", "screening"]  # as given (a glob sorted)
-    base = table["vanilla (lr=0.003)"]
+    assert list(table) == ["v-lr", "v", "s"]  # as given (a glob sorted), each named by its runs' tags
+    base = table["v"]
     assert base["seeds"] == "3" and base["params"] == "1.5M" and base["tokens"] == "20K"
     assert base["comparison FLOPs"] == f"{6e6 * 20_000:.4g}"
     assert base["val bpb"] == f"{statistics.fmean(vanilla):.4f} ± {statistics.stdev(vanilla):.4f} (n=3)"
-    assert base["Δ bpb vs vanilla (lr=0.003) (95% CI)"] == "baseline"
+    assert base["Δ bpb vs v (95% CI)"] == "baseline"
     assert base["wall time"] == "1m00s" and base["tok/s"] == "2K"  # the median step's, mean over the seeds
     assert (base["HellaSwag"], base["PIQA"]) == ("30.0", "60.0")  # the one seed that has them
     difference, low, high = welch_interval(screening, vanilla)
-    assert table["screening"]["Δ bpb vs vanilla (lr=0.003) (95% CI)"] == f"{difference:+.4f} [{low:+.4f}, {high:+.4f}]"
+    assert table["s"]["Δ bpb vs v (95% CI)"] == f"{difference:+.4f} [{low:+.4f}, {high:+.4f}]"
     assert high < 0  # screening's bpb is lower at these numbers, beyond the seeds' spread
-    assert table["screening"]["HellaSwag"] == "-" and table["screening"]["comparison FLOPs"] == f"{4e6 * 20_000:.4g}"
-    assert table["vanilla (lr=0.01)"]["val bpb"] == "1.2000 (n=1)"
-    assert table["vanilla (lr=0.01)"]["Δ bpb vs vanilla (lr=0.003) (95% CI)"] == "+0.0800, n/a (one seed)"
+    assert table["s"]["HellaSwag"] == "-" and table["s"]["comparison FLOPs"] == f"{4e6 * 20_000:.4g}"
+    assert table["v-lr"]["val bpb"] == "1.2000 (n=1)"
+    assert table["v-lr"]["Δ bpb vs v (95% CI)"] == "+0.0800, n/a (one seed)"
 
 
 def test_a_setting_whose_mixer_counted_densely_or_not_at_all_is_marked(tmp_path):
@@ -75,11 +75,11 @@ def test_a_setting_whose_mixer_counted_densely_or_not_at_all_is_marked(tmp_path)
     ]
     text = compare(list(map(str, paths)), baseline="vanilla")
     table = rows(text.split("\n\n")[0])
-    assert not table["vanilla"]["comparison FLOPs"].endswith("*")
-    assert table["dense"]["comparison FLOPs"].endswith(" *") and table["unseen"]["comparison FLOPs"].endswith(" *")
-    assert "dense: comparison FLOPs count a token mixer at its dense traced cost" in text
+    assert not table["v"]["comparison FLOPs"].endswith("*")
+    assert table["d"]["comparison FLOPs"].endswith(" *") and table["n"]["comparison FLOPs"].endswith(" *")
+    assert "d: comparison FLOPs count a token mixer at its dense traced cost" in text
     assert "bmm in blocks.attn: ppt.flops.declare_token_mixer([(2 * (d_qk + d_v), reach)] * n_heads)" in text
-    assert "unseen: comparison FLOPs found no token mixer" in text
+    assert "n: comparison FLOPs found no token mixer" in text
 
 
 def test_the_plot_and_the_command_line(tmp_path, capsys):
@@ -87,7 +87,7 @@ def test_the_plot_and_the_command_line(tmp_path, capsys):
     paths.append(write_manifest(tmp_path, "s0", 1.0, config="screening"))
     main([*map(str, paths), "--plot", str(tmp_path / "out" / "bpb.png"), "--baseline", "s0"])
     out = capsys.readouterr().out
-    assert "| vanilla | 2 |" in out and "Δ bpb vs screening (95% CI)" in out and "n/a (one seed)" in out
+    assert "| v | 2 |" in out and "Δ bpb vs s0 (95% CI)" in out and "n/a (one seed)" in out
     assert (tmp_path / "out" / "bpb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {tmp_path / 'out' / 'bpb.png'}" in out
     # a name without an extension gets .png, as matplotlib writes it, and the path printed is that file
@@ -103,14 +103,14 @@ def test_the_plot_and_the_command_line(tmp_path, capsys):
     (tmp_path / "a_file").write_text("mine")
     with pytest.raises(PPTError, match=r"could not write the plot .*a_file/bpb\.png \(File exists\); pass another"):
         main([*map(str, paths), "--plot", str(tmp_path / "a_file" / "bpb.png")])
-    assert "| vanilla | 2 |" in capsys.readouterr().out
+    assert "| v | 2 |" in capsys.readouterr().out
 
 
 def test_run_tags_are_looked_up_in_the_reports_dir(offline_private_cache):
     reports = offline_private_cache / "reports"
     reports.mkdir()
     write_manifest(reports, "tagged", 1.3)
-    assert "| vanilla | 1 |" in compare(["tagged"])
+    assert "| tagged | 1 |" in compare(["tagged"])
     with pytest.raises(PPTError, match="no run 'absent'"):
         compare(["absent"])
 
@@ -133,7 +133,7 @@ def test_incomparable_runs_are_refused_unless_allowed_and_then_shown(tmp_path, f
         compare(paths)
     table = rows(compare(paths, allow_mismatch=True))
     shown = str(value)[:12]
-    assert table["screening"][named] == shown and table["vanilla"][named] != shown
+    assert table["b"][named] == shown and table["a"][named] != shown
 
 
 def test_unfinished_and_duplicate_runs_and_unknown_baselines_are_refused(tmp_path):
@@ -146,7 +146,7 @@ def test_unfinished_and_duplicate_runs_and_unknown_baselines_are_refused(tmp_pat
     twin = write_manifest(tmp_path, "twin", 1.2)
     with pytest.raises(PPTError, match="runs done and twin have the same setting and seeds"):
         compare([finished, twin])
-    with pytest.raises(PPTError, match="--baseline 'nope' names no single setting; use one of: vanilla"):
+    with pytest.raises(PPTError, match="--baseline 'nope' names no single setting; use one of: done"):
         compare([finished], baseline="nope")
 
 
@@ -160,7 +160,7 @@ def test_an_edited_model_of_the_same_config_name_is_its_own_setting(tmp_path):
         for seed in (0, 1)
     ]
     table = rows(compare(paths, baseline="aa-s0"))
-    assert set(table) == {f"vanilla (model source={'aa' * 6})", f"vanilla (model source={'bb' * 6})"}
+    assert set(table) == {"aa", "bb"}  # seeds 0 and 1 of each
     assert all(row["seeds"] == "2" for row in table.values())
 
 
@@ -187,8 +187,8 @@ def test_runs_that_share_seeds_are_compared_pair_by_pair(tmp_path):
         (mean, mean - half, mean + half, 3)
     )
     table = rows(compare(paths, baseline="vanilla"))
-    assert table["screening"]["paired Δ (95% CI)"] == f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (3 pairs)"
-    assert table["vanilla"]["paired Δ (95% CI)"] == "baseline"
+    assert table["s"]["paired Δ (95% CI)"] == f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (3 pairs)"
+    assert table["v"]["paired Δ (95% CI)"] == "baseline"
     assert paired_interval({0: 1.0}, {0: 2.0, 1: 3.0}) is None  # one pair: no interval
 
 
@@ -213,7 +213,7 @@ def test_seeds_of_one_flops_budget_are_one_setting_whatever_steps_it_became(tmp_
                        **{"train.steps": 20 + seed, "train.last_step": 20 + seed, "train.warmup_steps": 1 + seed})
         for seed in range(2)
     ]  # fmt: skip
-    assert rows(compare(paths))["vanilla"]["seeds"] == "2"
+    assert rows(compare(paths))["v"]["seeds"] == "2"
     by_hand = [
         write_manifest(tmp_path, f"h{steps}", 1.1, data_seed=steps, **{"train.steps": steps}) for steps in (20, 30)
     ]
@@ -223,8 +223,8 @@ def test_seeds_of_one_flops_budget_are_one_setting_whatever_steps_it_became(tmp_
 def test_count_baselines_are_rows_and_runs_not_below_the_bigram_are_marked(tmp_path):
     paths = [write_manifest(tmp_path, "v", 1.2), write_manifest(tmp_path, "s", 1.0, config="screening")]
     table = rows(compare(paths, regimes={"unigram": 2.5, "bigram": 1.1}))
-    assert table["vanilla"]["val bpb"] == "1.2000 (n=1) (not below the bigram)"
-    assert table["screening"]["val bpb"] == "1.0000 (n=1)"
+    assert table["v"]["val bpb"] == "1.2000 (n=1) (not below the bigram)"
+    assert table["s"]["val bpb"] == "1.0000 (n=1)"
     assert table["bigram (train-split counts)"]["val bpb"] == "1.1000"
 
 
@@ -236,16 +236,17 @@ def test_the_published_archive_compares_at_its_content_fingerprint(tmp_path):
         archive.extractall(tmp_path, filter="data")
     paths = sorted(tmp_path.glob("offline-h200/study/runs/*-f3e+15-*/*.json"))
     table = rows(compare(paths, baseline="d6"))
-    assert set(table) == {"d6", "multiscreen-d16"} and table["multiscreen-d16"]["paired Δ (95% CI)"].endswith(
-        "(3 pairs)"
-    )
+    pair = ["offline-vanilla-f3e+15-lr0.001", "offline-multiscreen-f3e+15-lr0.064"]  # the tags' stems
+    assert set(table) == set(pair) and table[pair[1]]["paired Δ (95% CI)"].endswith("(3 pairs)")
     record = json.loads(paths[0].read_text())
     assert record["format"] == 2 and record["data"]["fingerprint"].startswith("4453ef846c73")
 
 
-def test_settings_told_apart_only_by_optimizer_groups_are_each_numbered(tmp_path):
+def test_settings_whose_tags_share_a_stem_are_labelled_by_config_and_numbered_if_only_groups_differ(tmp_path):
     paths = [
-        write_manifest(tmp_path, f"groups{i}", 1.0 + i / 10, **{"train.optimizer_groups": [{"lr": i}] * i})
+        write_manifest(tmp_path, f"g-s{2 * i + seed}", 1.0 + i / 10, data_seed=seed,
+                       **{"train.optimizer_groups": [{"lr": i}] * i})
         for i in range(3)
-    ]
-    assert set(rows(compare(paths))) == {"vanilla #1", "vanilla #2", "vanilla #3"}
+        for seed in (0, 1)
+    ]  # fmt: skip
+    assert set(rows(compare(paths))) == {"vanilla #1", "vanilla #2", "vanilla #3"}  # every setting's stem is "g"
