@@ -530,8 +530,7 @@ class Trainer:
             f"{mfu_text} | mem {memory:.2f} GB | {duration(self.wall_time())} elapsed, "
             f"eta {duration(per_step * (last_step - step))}"
         )
-        if self.wandb_run:
-            self.wandb_run.log(for_wandb(entry), step=step)
+        self.log_wandb(entry)
 
     def evaluate(self) -> Evaluation:
         s, rt = self.settings, self.rt
@@ -549,9 +548,14 @@ class Trainer:
         self.record.evals.append(evaluation)
         entry = dataclasses.asdict(evaluation)
         self.record.history.append(entry)
-        if self.wandb_run:
-            self.wandb_run.log(for_wandb(entry), step=self.step)
+        self.log_wandb(entry)
         return evaluation
+
+    def log_wandb(self, entry: dict[str, Any]) -> None:
+        """wandb's metrics, with integers past 2^53 (cumulative FLOPs) as floats."""
+        if self.wandb_run:
+            self.wandb_run.log({k: float(v) if isinstance(v, int) and abs(v) > 2**53 else v for k, v in entry.items()},
+                               step=self.step)  # fmt: skip
 
     def save(self) -> None:
         s = self.settings
@@ -688,11 +692,6 @@ def memory_gb(device: torch.device) -> tuple[str, float]:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return "max_rss_gb", peak * (1 if sys.platform == "darwin" else 1024) / 1e9
-
-
-def for_wandb(entry: dict[str, Any]) -> dict[str, Any]:
-    """wandb's metrics: integers past 2^53 (cumulative FLOPs) as floats."""
-    return {k: float(v) if isinstance(v, int) and abs(v) > 2**53 else v for k, v in entry.items()}
 
 
 def freeze_gc() -> None:

@@ -30,6 +30,5 @@ ppt_backend() {
     else echo cpu; fi
 }
 
-if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # run, not sourced: there is nothing to do but say what it is for
-    ppt_help "$0" --help
-fi
+# run, not sourced: there is nothing to do but say what it is for
+[ "${BASH_SOURCE[0]}" != "$0" ] || ppt_help "$0" --help
