@@ -45,6 +45,9 @@ OP_FORMULAS = getattr(ppt.model, "OP_FORMULAS", NO_FORMULAS)  # optional in mode
 RULE_REFRESH_STEPS = 50
 RECORD_EVERY_STEPS = 50  # the run record is rewritten this often, so that a killed run's record shows its progress
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay the step from CUDA graphs
+# Devices that run queued work while the host goes on: there each step is read a step late (train_step). A CPU
+# computes as the host queues, so reading late would gain nothing and time each step by its successor's work.
+LATE_READ_DEVICES = ("cuda",)
 CHECKPOINT_FORMAT = 2  # a checkpoint records its settings (TrainSettings), which a resume must continue
 
 
@@ -83,10 +86,12 @@ class QueuedStep:
     step_time: float = math.nan
 
     def send_to_host(self) -> None:
-        """Start the loss and gradient norm on their way from the GPU to the host (into pinned memory)."""
+        """Start the loss and gradient norm on their way to the host (into pinned memory, from a GPU)."""
+        on_cuda = self.stats.is_cuda
         self.stats = self.stats.to("cpu", non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
+        if on_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
 
 class Trainer:
@@ -357,11 +362,9 @@ class Trainer:
         self.batches = iter(self.train_loader)
         self.last_saved, self.stopping, self.last_read = self.step, 0, time.perf_counter()
         self.in_flight: QueuedStep | None = None  # read late: queued and updated on the device, not yet read
-        # fused AdamW takes a found_inf flag and skips a step on the device (not so a resumed unfused state's groups).
-        # Only a GPU runs queued work while the host goes on: a CPU computes as the host queues, so reading late would
-        # gain nothing there and time each step by its successor's work.
+        # fused AdamW takes a found_inf flag and skips a step on the device (not so a resumed unfused state's groups)
         fused = all(g.get("fused") for g in self.optimizer.param_groups)
-        self.reads_late = fused and self.rt.device.type == "cuda" and not self.rt.distributed
+        self.reads_late = fused and self.rt.device.type in LATE_READ_DEVICES and not self.rt.distributed
         while (step := self.step + (self.in_flight is not None)) < self.derived.last_step:  # 0-based, to queue
             self.measure.before_step(step)
             if self.stop_signal and not self.rt.distributed:
@@ -650,19 +653,17 @@ class Measurement:
             return False
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the last optimizer step's events
-        steps = [h for h in trainer.record.history if "step_time" in h]
-        after_warmup = [(h, self.optimizer_seconds(h["step"])) for h in steps][5:]
-        kept = [(h, seconds) for h, seconds in after_warmup if h["step"] not in self.profiled_steps]
-        if not kept:
+        after_warmup = [h for h in trainer.record.history if "step_time" in h][5:]
+        measured = [h for h in after_warmup if h["step"] not in self.profiled_steps]
+        if not measured:
             raise PPTError("--benchmark needs more than 5 steps (more than 9 with --profile); raise --max-steps")
-        measured = [h for h, _ in kept]
         step_time = statistics.fmean(h["step_time"] for h in measured)
         tok_per_s = statistics.fmean(h["tok_per_s"] for h in measured)
         summary = {
             "params": trainer.n_params, "steps_measured": len(measured),
-            "steps_profiled_left_out": len(after_warmup) - len(kept), "tok_per_s": tok_per_s, "step_time_s": step_time,
-            "data_share": statistics.fmean(h["data_time"] for h in measured) / step_time,
-            "optimizer_share": statistics.fmean(seconds for _, seconds in kept) / step_time,
+            "steps_profiled_left_out": len(after_warmup) - len(measured), "tok_per_s": tok_per_s,
+            "step_time_s": step_time, "data_share": statistics.fmean(h["data_time"] for h in measured) / step_time,
+            "optimizer_share": statistics.fmean(self.optimizer_seconds(h["step"]) for h in measured) / step_time,
         }  # fmt: skip
         per_token = measured[-1]["comparison_flops"] / measured[-1]["tokens"]  # the rule's, over the run so far
         summary |= {"comparison_flops_per_token": per_token, "comparison_tflops": per_token * tok_per_s / 1e12}
