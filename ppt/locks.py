@@ -54,9 +54,9 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def _process_start(pid: int) -> str | None:
-    """When the kernel started a process: tells a lock's owner from a newer process that reuses its pid."""
+    """When the kernel started a process (stat's field 22): tells a lock's owner from a newer process with its pid."""
     fields = _proc_stat(pid)
-    return fields[19] if fields and len(fields) > 19 else None  # field 22 of stat, starttime
+    return fields[19] if fields and len(fields) > 19 else None
 
 
 def _owner_alive(owner: dict) -> bool:
@@ -103,8 +103,8 @@ def directory_user(directory: Path) -> str | None:
 
 
 def lock_directory(directory: Path, fix: str, made_by_this_run: bool = False) -> Lock:
-    """Give this process sole use of `directory` (created if missing) through `directory/.ppt.lock`; one this run
-    made (`made_by_this_run`) is removed with the lock if the run left it empty, as a refused run does."""
+    """hold_lock on `directory/.ppt.lock`; a directory this run made is removed with the lock if the run left it empty
+    (as a refused run does)."""
     directory = Path(directory)
     return hold_lock(directory / LOCK_NAME, str(directory), fix, remove_empty_dir=made_by_this_run)
 
@@ -113,16 +113,9 @@ def hold_lock(lock_file: Path, what: str, fix: str, remove_empty_dir: bool = Fal
     """Give this process sole use of `what` through `lock_file` until `release_locks()` or exit. A live owner on this
     host, or any owner on another host (whose liveness this host cannot see), stops this run with a PPTError naming the
     owner and `fix`; a dead one's lock is taken over with a warning. The file appears whole (hard-linked from temp)."""
-    lock_file = Path(lock_file)
-    host = socket.gethostname()
-    owner = {
-        "pid": os.getpid(),
-        "host": host,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "argv": sys.argv,
-        "process_start": _process_start(os.getpid()),
-        "token": uuid.uuid4().hex,
-    }
+    lock_file, host, pid = Path(lock_file), socket.gethostname(), os.getpid()
+    owner = {"pid": pid, "host": host, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv,
+             "process_start": _process_start(pid), "token": uuid.uuid4().hex}  # fmt: skip
     tmp = temp_path(lock_file)
     try:
         lock_file.parent.mkdir(parents=True, exist_ok=True)
@@ -143,7 +136,7 @@ def hold_lock(lock_file: Path, what: str, fix: str, remove_empty_dir: bool = Fal
                 )
             if _owner_alive(found):
                 raise PPTError(f"{what} is in use by another run: {_describe_owner(found)}; wait for it, or {fix}")
-            moved = lock_file.with_name(f"{lock_file.name}.{os.getpid()}.stale")
+            moved = lock_file.with_name(f"{lock_file.name}.{pid}.stale")
             try:
                 os.rename(lock_file, moved)
             except FileNotFoundError:
@@ -158,7 +151,7 @@ def hold_lock(lock_file: Path, what: str, fix: str, remove_empty_dir: bool = Fal
             raise PPTError(f"could not lock {what}: other runs keep taking and releasing it; {fix}")
     finally:
         tmp.unlink(missing_ok=True)
-    lock = Lock(lock_file, owner["token"], owner["pid"], remove_empty_dir)
+    lock = Lock(lock_file, owner["token"], pid, remove_empty_dir)
     if not _held_locks:
         atexit.register(release_locks)
     _held_locks.append(lock)

@@ -31,25 +31,13 @@ def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def backward_with_forward() -> AbstractContextManager:
-    """Compile a graph's backward with its forward. A compiled graph with autograd enters AOTAutograd's cache once its
-    backward is compiled, by default at the first backward; scoring with autograd on runs none, so each run traced and
-    partitioned its evaluation graph anew. The unused backward costs a shape's first run once; later runs take the
-    graph from the cache."""
-    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
-
-
 def evaluate_bpb(
-    model: nn.Module,
-    batches: Iterable[tuple[Tensor, Tensor, Tensor]],
-    token_bytes: Tensor,
+    model: nn.Module, batches: Iterable[tuple[Tensor, Tensor, Tensor]], token_bytes: Tensor,
     dtype: torch.dtype = torch.float32,
-) -> dict[str, float]:
-    """NLL and bits-per-byte over `batches` of (inputs, targets, doc_pos); the model is left in its prior mode.
-
-    Returns `nll` (nats per target token), `bpb`, and the counts behind them: `tokens` (targets scored) and
-    `bytes` (raw bytes of the targets that count towards bpb), both summed over ranks.
-    """
+) -> dict[str, float]:  # fmt: skip
+    """NLL and bits-per-byte over `batches` of (inputs, targets, doc_pos); the model is left in its prior mode. Returns
+    `nll` (nats per target token), `bpb`, `tokens` (targets scored) and `bytes` (of the targets that count towards bpb),
+    both counts summed over ranks."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=token_bytes.device)  # nll_all, tokens, nll_bytes, bytes
@@ -64,20 +52,17 @@ def evaluate_bpb(
                 targets = torch.cat([targets, targets.new_full((extra, targets.shape[1]), -1)])
                 doc_pos = None if doc_pos is None else torch.cat([doc_pos, doc_pos[:1].expand(extra, -1)])
             with_autograd = scores_with_autograd(compiled, inputs.device)  # the graph is freed with each batch
-            with autocast(inputs.device, dtype), torch.set_grad_enabled(with_autograd), backward_with_forward():
+            # the backward compiled with the forward: a compiled graph enters AOTAutograd's cache once its backward
+            # is compiled (by default at the first backward, which scoring never runs), so later runs take it from there
+            no_lazy_backward = torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
+            with autocast(inputs.device, dtype), torch.set_grad_enabled(with_autograd), no_lazy_backward:
                 nll = model(inputs, targets, doc_pos, reduction="none").detach()
             nll, targets = nll.to(sums.device, torch.float64), targets.to(sums.device)
             valid = targets >= 0
             nbytes = torch.where(valid, token_bytes[targets.clamp_min(0)], 0).double()
             # masked sums rather than boolean indexing, which would wait for the GPU on every batch
-            sums += torch.stack(
-                [
-                    torch.where(valid, nll, 0).sum(),
-                    valid.sum().double(),
-                    torch.where(nbytes > 0, nll, 0).sum(),
-                    nbytes.sum(),
-                ]
-            )
+            sums += torch.stack([torch.where(valid, nll, 0).sum(), valid.sum().double(),
+                                 torch.where(nbytes > 0, nll, 0).sum(), nbytes.sum()])  # fmt: skip
     finally:
         model.train(was_training)
     if dist.is_initialized():
@@ -85,9 +70,5 @@ def evaluate_bpb(
     nll_all, tokens, nll_bytes, nbytes = sums.tolist()
     if tokens == 0:
         raise PPTError("evaluate_bpb got no target tokens: the validation split is empty; prepare data first")
-    return {
-        "nll": nll_all / tokens,
-        "bpb": nll_bytes / (math.log(2) * nbytes) if nbytes else float("nan"),
-        "tokens": int(tokens),
-        "bytes": int(nbytes),
-    }
+    bpb = nll_bytes / (math.log(2) * nbytes) if nbytes else float("nan")
+    return {"nll": nll_all / tokens, "bpb": bpb, "tokens": int(tokens), "bytes": int(nbytes)}

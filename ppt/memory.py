@@ -1,14 +1,8 @@
-"""What a training run needs in memory, set against what the machine has, said before anything is allocated.
-
-A run that does not fit would otherwise fail far into its set-up: a CUDA out-of-memory traceback, or on a CPU the
-kernel's OOM killer ending the process with no message at all. The estimate: fp32 weights, their gradients and
-AdamW's two moments (16 bytes a parameter; Muon and Aurora keep one moment for matrices, a little less), plus, for an
-eager step, the tensors autograd saves over one micro-batch's forward, read from a trace of it on the meta device
-(`ppt.flops.traced_step`: SDPA saves what flash attention saves, matmuls run in the autocast dtype). A compiled step
-saves less than eager autograd would (fused kernels recompute what they need), so there only the weights and their
-state count. Transients (a matmul's output before the next op, the allocator's slack) come on top: the estimate is a
-floor, and a run above it is refused.
-"""
+"""What a training run needs in memory, set against what the machine has, said before anything is allocated (a CUDA
+OOM traceback far into set-up, or on a CPU the OOM killer's silent end, otherwise). The estimate is a floor: fp32
+weights, gradients and AdamW's two moments (16 bytes a parameter), plus, for an eager step, what autograd saves over
+one micro-batch's forward, from a trace on meta (`ppt.flops.traced_step`); a compiled step saves less (fused kernels
+recompute), so there only the weights and their state count. A run above it is refused."""
 
 from __future__ import annotations
 
@@ -65,8 +59,7 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_memory(model: nn.Module, rows: int, seq_len: int, rt: Runtime, formulas: OpFormulas, eager: bool) -> None:
-    """Refuse, in one line, a run whose model (built on meta) and micro-batch of `rows` x `seq_len` tokens need more
-    memory than the device has free."""
+    """Refuse, in one line, a run whose model (on meta) and micro-batch need more memory than the device has free."""
     available = available_bytes(rt.device)
     if available is None:
         return

@@ -96,32 +96,30 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 1
     """Device time and launches per iteration by kind of kernel (`kernel_kind`, else KERNEL_KINDS by its name), and the
     time's share of the wall time; then the `largest` kernels with their launches per iteration and full names (the
     table above cuts names short, and inductor's differ only at the end)."""
-    per_kernel: dict[tuple[str, str], list[float]] = {}  # (kind, name): [seconds, launches] per iteration
+    seconds: Counter = Counter()  # per iteration, by (kind, name)
+    launches: Counter = Counter()  # in the default compile mode each launch is host work a step waits on
     for event in prof.events():
         if event.device_type != DeviceType.CPU or not event.kernels:
             continue
         context = kernel_kind(event)
         for kernel in event.kernels:
             kind = context or next((k for k, pattern in KERNEL_KINDS if re.search(pattern, kernel.name, re.I)), "other")
-            seconds_launches = per_kernel.setdefault((kind, kernel.name), [0.0, 0.0])
-            seconds_launches[0] += kernel.duration / 1e6 / steps
-            seconds_launches[1] += 1 / steps
+            seconds[kind, kernel.name] += kernel.duration / 1e6 / steps
+            launches[kind, kernel.name] += 1 / steps
     per_kind: Counter = Counter()
-    launches_per_kind: Counter = Counter()  # in the default compile mode each launch is host work a step waits on
-    for (kind, _), (seconds, launches) in per_kernel.items():
-        per_kind[kind] += seconds
-        launches_per_kind[kind] += launches
-    busy = sum(per_kind.values())
-    lines = [
-        f"kernels {1000 * busy:.1f} ms per iteration ({100 * busy / wall:.1f}% of the wall time), "
-        f"{sum(launches_per_kind.values()):.0f} launches"
-    ]
-    for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
-        share = 100 * seconds / wall
-        lines.append(f"  {kind:40s} {1000 * seconds:8.1f} ms  {share:5.1f}%  {launches_per_kind[kind]:6.1f} launches")
-    lines.append(f"the {min(largest, len(per_kernel))} largest kernels (ms and launches per iteration, kind, name):")
-    for (kind, name), (seconds, launches) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:largest]:
-        lines.append(f"  {1000 * seconds:8.2f} ms {launches:6.1f}x  {kind}: {name}")
+    launches_per_kind: Counter = Counter()
+    for kind, name in seconds:
+        per_kind[kind] += seconds[kind, name]
+        launches_per_kind[kind] += launches[kind, name]
+    busy = per_kind.total()
+    lines = [f"kernels {1000 * busy:.1f} ms per iteration ({100 * busy / wall:.1f}% of the wall time), "
+             f"{launches_per_kind.total():.0f} launches"]  # fmt: skip
+    for kind, kind_seconds in per_kind.most_common():
+        share, kind_launches = 100 * kind_seconds / wall, launches_per_kind[kind]
+        lines.append(f"  {kind:40s} {1000 * kind_seconds:8.1f} ms  {share:5.1f}%  {kind_launches:6.1f} launches")
+    lines.append(f"the {min(largest, len(seconds))} largest kernels (ms and launches per iteration, kind, name):")
+    for (kind, name), kernel_seconds in seconds.most_common(largest):
+        lines.append(f"  {1000 * kernel_seconds:8.2f} ms {launches[kind, name]:6.1f}x  {kind}: {name}")
     return "\n".join(lines)
 
 

@@ -1,13 +1,10 @@
-"""The run record: one typed schema for what a training run resolved, measured and scored.
-
-base_train writes it (`<cache>/reports/<tag>.json` and beside the checkpoints, rewritten atomically as the run
-progresses); base_eval adds its scores; compare and study read it by attribute. `RunRecord.load` reads the current
-format, converts a format-1 manifest (written before the format was versioned) with `from_format_1`, and refuses
-anything else with one line.
-"""
+"""The run record: one typed schema for what a training run resolved, measured and scored. base_train writes it
+(`<cache>/reports/<tag>.json` and beside the checkpoints, atomically as the run progresses); base_eval adds its scores;
+compare and study read it by attribute."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -152,22 +149,6 @@ class RunRecord:
         return dataclasses.asdict(self) | {"command": command, "final_val": final}  # derived: not read back
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
-        """The record a dict holds; a PPTError when it is not a run record of this format."""
-        if data.get("format") != FORMAT:
-            raise PPTError(
-                f"run record format {data.get('format')!r}, not {FORMAT}; convert a format-1 manifest with "
-                "ppt.run.from_format_1, or rerun with this ppt"
-            )
-        data = {k: v for k, v in data.items() if k not in ("command", "final_val")}  # derived: not read back
-        try:
-            data["train"] = TrainSettings(**data["train"])
-            data["evals"] = [Evaluation(**e) for e in data.get("evals", [])]
-            return cls(**data)
-        except (KeyError, TypeError) as exc:
-            raise PPTError(f"not a complete format-{FORMAT} run record ({exc})") from exc
-
-    @classmethod
     def load(cls, path: Path) -> RunRecord:
         """The record in `path`: this format, or a format-1 manifest converted. One PPTError line otherwise."""
         try:
@@ -176,10 +157,19 @@ class RunRecord:
             raise PPTError(f"{path} is not a readable run record ({exc}); pass the JSON base_train wrote") from exc
         if not isinstance(data, dict) or "train" not in data:
             raise PPTError(f"{path} is not a run record of base_train (no 'train'); pass the JSON it wrote")
+        data = from_format_1(data) if "format" not in data else data
+        if data["format"] != FORMAT:
+            raise PPTError(
+                f"{path}: run record format {data['format']!r}, not {FORMAT}; convert a format-1 manifest with "
+                "ppt.run.from_format_1, or rerun with this ppt"
+            )
+        data = {k: v for k, v in data.items() if k not in ("command", "final_val")}  # derived: not read back
         try:
-            return cls.from_dict(from_format_1(data) if "format" not in data else data)
-        except PPTError as exc:
-            raise PPTError(f"{path}: {exc}") from exc
+            data["train"] = TrainSettings(**data["train"])
+            data["evals"] = [Evaluation(**e) for e in data.get("evals", [])]
+            return cls(**data)
+        except (KeyError, TypeError) as exc:
+            raise PPTError(f"{path}: not a complete format-{FORMAT} run record ({exc})") from exc
 
     def write(self, paths: list[Path]) -> None:
         payload = json.dumps(self.to_dict(), indent=1, default=str).encode("utf-8")
@@ -195,9 +185,8 @@ class RunRecord:
 
 
 def from_format_1(data: dict[str, Any]) -> dict[str, Any]:
-    """A manifest written before the record had a format (2026-11-29 to 2026-12-02) as a format-2 record's dict:
-    the same keys, with out_dir read from its flags, and the relaunch command and wall-time note (derived, or in
-    SPEC.md) dropped."""
+    """A manifest written before the record had a format (2026-11-29 to 2026-12-02) as a format-2 record's dict: out_dir
+    read from its flags, the relaunch command and wall-time note (derived, or in SPEC.md) dropped."""
     data = {k: v for k, v in data.items() if k not in ("relaunch", "wall_time_includes")}
     args = data.get("args") or {}
     return data | {"format": FORMAT, "out_dir": args.get("out_dir") or data.get("data", {}).get("dir", "")}
@@ -219,12 +208,9 @@ def git_state() -> dict[str, Any]:
 
 
 def model_source(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """sha256 of the architecture's source (ppt/model.py and the kernels it may call): two runs of one config name
-    whose model code differs are different settings, whatever git says about a dirty tree. Unless git vouches that
-    every one of these files is the commit's, `source` holds them all as text ({path: text}, tens of kB): a fork's
-    uncommitted model.py is the normal case, and its record then keeps the code that made the run, not only its hash.
-    All of them, not the changed ones alone, so that rebuilding needs no commit for any (the fixed code is the
-    recorded commit's)."""
+    """sha256 of the architecture's source (ppt/model.py and the kernels it may call): runs of one config name whose
+    model code differs are different settings. Unless git vouches that every one of these files is the commit's,
+    `source` holds them all as text (a fork's uncommitted model.py is the usual case): rebuilding needs no commit."""
     paths = [root / "ppt" / "model.py", *sorted((root / "ppt" / "kernels").glob("*.py"))]
     files = {path.relative_to(root).as_posix(): path.read_bytes() for path in paths}
     digest = hashlib.sha256()
@@ -238,18 +224,15 @@ def model_source(root: Path = REPO_ROOT) -> dict[str, Any]:
 
 def hardware() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count()}
-    info |= {"python": platform.python_version(), "torch": torch.__version__}
-    try:
+    info |= {"python": platform.python_version(), "torch": torch.__version__, "triton": None}
+    with contextlib.suppress(ImportError):
         import triton
 
         info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
     if packed := os.environ.get("PPT_RUNS_PER_GPU"):  # set by a study's local pool: runs sharing this device
         info["runs_per_gpu"] = int(packed)
     if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["gpu_count"] = torch.cuda.device_count()
+        info |= {"gpu": torch.cuda.get_device_name(0), "gpu_count": torch.cuda.device_count()}
         info["cuda"] = torch.version.cuda or torch.version.hip
     return info
 
@@ -271,9 +254,7 @@ def plot_losses(record: RunRecord, path: Path) -> Path | None:
                  label="val bits/byte")  # fmt: skip
         ax2.set_ylabel("val bits per byte")
         ax2.legend(loc="upper center")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("train loss")
-    ax.set_title(record.run)
+    ax.set(xlabel="tokens", ylabel="train loss", title=record.run)
     ax.legend(loc="upper right")
     fig.tight_layout()
     try:

@@ -52,8 +52,7 @@ CHECKPOINT_FORMAT = 2  # a checkpoint records its settings (TrainSettings), whic
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Train; the SIGTERM/SIGINT handlers the loop installs and the deterministic setting are put back afterwards
-    (main may run in-process)."""
+    """Train, then put back the signal handlers and the deterministic setting (main may run in-process)."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     deterministic = torch.are_deterministic_algorithms_enabled()
     held = locks_held()  # a caller's own locks (a study's on its directory) stay held
@@ -74,9 +73,7 @@ def main(argv: list[str] | None = None) -> None:
 @dataclasses.dataclass
 class QueuedStep:
     """A step whose forward and backward are queued: its loss and gradient norm (`stats`: on the device, or on their
-    way to the host once `copied` has passed), its document-position counts, the comparison rule they are booked by,
-    its learning rate and its seconds spent waiting for data; then, once read (Trainer.read), its loss and gradient
-    norm averaged over ranks and the seconds since the step read before it."""
+    way to the host once `copied` has passed) and what its log needs; loss, grad_norm and step_time once read."""
 
     stats: torch.Tensor
     counts: np.ndarray
@@ -269,10 +266,8 @@ class Trainer:
             warn0(f"the budget is {epochs:.1f} epochs of {s.data_dir}: data repeats (prepare more shards to avoid it)")
 
     def derive(self) -> TrainSettings:
-        """The record's settings, with those that need the model: the budget in tokens (from --target-flops: converted
-        once, at the start, by the rule and the first step's documents), the schedule in steps, the optimizer's groups
-        (without their tensors and the schedule's current lr, which a resumed optimizer brings along), and DDP's need
-        to look for unused parameters."""
+        """The record's settings, with those that need the model: the budget in tokens (--target-flops converted once,
+        at the start, by the rule and the first step's documents), the schedule, the optimizer's groups, DDP's need."""
         s = self.settings
         budget = self.state.get("settings", {}).get("budget")
         if s.target_flops and (budget or {}).get("target_flops") != s.target_flops:
@@ -307,7 +302,7 @@ class Trainer:
         return record_settings(
             s, self.rt, target_tokens=target, budget=budget, steps=steps, last_step=min(steps, s.max_steps or steps),
             warmup_tokens=warmup_tokens, warmup_steps=round(warmup_tokens / s.total_batch_tokens),
-            optimizer_groups=[{k: v for k, v in g.items() if k not in ("params", "lr")}
+            optimizer_groups=[{k: v for k, v in g.items() if k not in ("params", "lr")}  # no tensors, no current lr
                               for g in self.optimizer.param_groups],
             ddp_find_unused_parameters=self.rt.distributed and self.unused_parameters(),
         )  # fmt: skip
@@ -329,8 +324,7 @@ class Trainer:
 
     def unused_parameters(self) -> bool:
         """Under DDP: whether one forward and backward of a row leaves trainable parameters without a gradient on any
-        rank (a router's unchosen expert, an early exit): DDP must then look for them after every forward (slower).
-        Gradients and RNG are left as found."""
+        rank (a router's unchosen expert, an early exit), which DDP must then look for. Gradients and RNG as found."""
         s, rt = self.settings, self.rt
         probe = DataLoader(s.data_dir, "train", 1, s.seq_len, rt.rank, rt.world_size, s.data_seed, rt.device,
                            prefetch=0)  # fmt: skip
@@ -440,11 +434,9 @@ class Trainer:
 
     def read(self, done: QueuedStep) -> bool:
         """The host sync: a queued step's loss and gradient norm (averaged over ranks), every rank's document-position
-        counts and the stop flags; False for a step that is not finite, which is skipped (no update, evaluation or
-        save). Ranks can receive a signal in different steps; the flags ride on the loss all-reduce so that every
-        rank stops after the same step (one that stopped alone would leave the others waiting in their next
-        all-reduce). The counts ride along for the comparison FLOPs; fp32 holds them exactly (each is at most the
-        step's tokens, < 2^24)."""
+        counts and the stop flags; False for a step that is not finite, which is skipped. The flags ride on the loss
+        all-reduce so that every rank stops after the same step, whichever step each was signalled in (one that stopped
+        alone would leave the others waiting); fp32 holds the counts exactly (each < the step's tokens < 2^24)."""
         rt = self.rt
         flags = [float(sig in self.stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)]
         if rt.distributed:
@@ -463,9 +455,8 @@ class Trainer:
         now = time.perf_counter()
         done.step_time, self.last_read = now - self.last_read, now
         if self.step == self.start_step:
-            # What torch.compile built in this first step lives all run. Freezing takes it out of the garbage
-            # collector's full scans, which otherwise pause the host whenever they run (260 ms with a compiled
-            # 32-layer model alive, on a 2-core CPU): under DDP one rank's pause holds up every rank.
+            # What torch.compile built in the first step lives all run: frozen, it is out of the collector's full scans,
+            # which pause the host (260 ms with a compiled 32-layer model, 2-core CPU) and under DDP every rank.
             freeze_gc()
             self.first_read = now
         if math.isfinite(done.loss) and math.isfinite(done.grad_norm):
@@ -496,8 +487,7 @@ class Trainer:
         self.step += 1
 
     def finish_step(self, done: QueuedStep) -> None:
-        """Count a finite step (its tokens and comparison FLOPs), add its history entry, then evaluate or save where
-        due."""
+        """Count a finite step, add its history entry, then evaluate or save where due."""
         s = self.settings
         self.step += 1
         self.tokens_seen += s.total_batch_tokens
@@ -515,13 +505,12 @@ class Trainer:
             self.write_record()
 
     def due(self, every: int, step: int) -> bool:
-        """Whether an evaluation or a save every `every` steps (0: never) falls after `step` (the last one's is the
-        finish's)."""
+        """Whether an evaluation or a save every `every` steps (0: never) falls after `step` (not the last)."""
         return bool(every) and step % every == 0 and step < self.derived.last_step
 
     def log_step(self, done: QueuedStep) -> None:
-        """The step's history entry (in the record at logged steps, and at every step under --benchmark, whose summary
-        reads them all), its log line and its wandb metrics."""
+        """The step's history entry (at logged steps, and at every step under --benchmark, whose summary reads them
+        all), its log line and its wandb metrics."""
         s, rt, step, last_step = self.settings, self.rt, self.step, self.derived.last_step
         tok_per_s = s.total_batch_tokens / done.step_time
         mfu = self.mfu(self.mfu_flops["mfu"], tok_per_s) if self.mfu_flops else None
@@ -544,8 +533,7 @@ class Trainer:
             f"{mfu_text} | mem {memory:.2f} GB | {duration(self.wall_time())} elapsed, "
             f"eta {duration(per_step * (last_step - step))}"
         )
-        if self.wandb_run:
-            self.wandb_run.log(for_wandb(entry), step=step)
+        self.log_wandb(entry)
 
     def evaluate(self) -> Evaluation:
         s, rt = self.settings, self.rt
@@ -563,9 +551,14 @@ class Trainer:
         self.record.evals.append(evaluation)
         entry = dataclasses.asdict(evaluation)
         self.record.history.append(entry)
-        if self.wandb_run:
-            self.wandb_run.log(for_wandb(entry), step=self.step)
+        self.log_wandb(entry)
         return evaluation
+
+    def log_wandb(self, entry: dict[str, Any]) -> None:
+        """wandb's metrics, with integers past 2^53 (cumulative FLOPs) as floats."""
+        if self.wandb_run:
+            self.wandb_run.log({k: float(v) if isinstance(v, int) and abs(v) > 2**53 else v for k, v in entry.items()},
+                               step=self.step)  # fmt: skip
 
     def save(self) -> None:
         s = self.settings
@@ -573,22 +566,14 @@ class Trainer:
         if not self.rt.is_master:
             return
         payload = {
-            "format": CHECKPOINT_FORMAT,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "config": s.config_dict,
-            "settings": dataclasses.asdict(self.record.train),
-            "loader": self.train_loader.state_dict(),
-            "rng": ckpt.rng_state(),
-            "tokens": self.tokens_seen,
-            "history": self.record.history,
-            "skipped_nonfinite_steps": self.skipped,
-            "tokenizer_fingerprint": s.tokenizer.fingerprint,
-            "data_fingerprint": self.train_loader.fingerprint(),
+            "format": CHECKPOINT_FORMAT, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "config": s.config_dict, "settings": dataclasses.asdict(self.record.train),
+            "loader": self.train_loader.state_dict(), "rng": ckpt.rng_state(), "tokens": self.tokens_seen,
+            "history": self.record.history, "skipped_nonfinite_steps": self.skipped,
+            "tokenizer_fingerprint": s.tokenizer.fingerprint, "data_fingerprint": self.train_loader.fingerprint(),
             "comparison": {"flops": self.comparison_flops, "rule": self.rule.state_dict(), "rule_step": self.rule_step},
-            "wall_time_s": self.wall_time(),
-            "wandb_id": (self.record.wandb or {}).get("id"),
-        }
+            "wall_time_s": self.wall_time(), "wandb_id": (self.record.wandb or {}).get("id"),
+        }  # fmt: skip
         print0(f"saved {ckpt.save_checkpoint(s.out_dir, self.step, payload, keep=s.keep)}")
 
     def write_record(self) -> None:
@@ -626,10 +611,9 @@ class Trainer:
 
 
 class Measurement:
-    """--benchmark and --profile, from outside the step: the profiler steps before each step, and under --benchmark
-    hooks on the optimizer time its every step. --benchmark measures instead of training for keeps: no checkpoints,
-    evaluations or record, and a JSON summary over the steps after the first five (compilation and warm-up), leaving
-    out the steps the profiler slowed down."""
+    """--benchmark and --profile, from outside the step: the profiler steps before each step, and --benchmark's hooks
+    on the optimizer time its every step, for a JSON summary over the steps after the first five (compilation and
+    warm-up) but those the profiler slowed down."""
 
     def __init__(self, trainer: Trainer) -> None:
         s, rt = trainer.settings, trainer.rt
@@ -669,30 +653,24 @@ class Measurement:
             return False
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the last optimizer step's events
-        steps = [h for h in trainer.record.history if "step_time" in h]
-        after_warmup = [(h, self.optimizer_seconds(h["step"])) for h in steps][5:]
-        kept = [(h, seconds) for h, seconds in after_warmup if h["step"] not in self.profiled_steps]
-        if not kept:
+        after_warmup = [h for h in trainer.record.history if "step_time" in h][5:]
+        measured = [h for h in after_warmup if h["step"] not in self.profiled_steps]
+        if not measured:
             raise PPTError("--benchmark needs more than 5 steps (more than 9 with --profile); raise --max-steps")
-        measured = [h for h, _ in kept]
         step_time = statistics.fmean(h["step_time"] for h in measured)
         tok_per_s = statistics.fmean(h["tok_per_s"] for h in measured)
         summary = {
-            "params": trainer.n_params,
-            "steps_measured": len(measured),
-            "steps_profiled_left_out": len(after_warmup) - len(kept),
-            "tok_per_s": tok_per_s,
-            "step_time_s": step_time,
-            "data_share": statistics.fmean(h["data_time"] for h in measured) / step_time,
-            "optimizer_share": statistics.fmean(seconds for _, seconds in kept) / step_time,
-        }
+            "params": trainer.n_params, "steps_measured": len(measured),
+            "steps_profiled_left_out": len(after_warmup) - len(measured), "tok_per_s": tok_per_s,
+            "step_time_s": step_time, "data_share": statistics.fmean(h["data_time"] for h in measured) / step_time,
+            "optimizer_share": statistics.fmean(self.optimizer_seconds(h["step"]) for h in measured) / step_time,
+        }  # fmt: skip
         per_token = measured[-1]["comparison_flops"] / measured[-1]["tokens"]  # the rule's, over the run so far
         summary |= {"comparison_flops_per_token": per_token, "comparison_tflops": per_token * tok_per_s / 1e12}
         if flops := trainer.mfu_flops:
             summary |= {"flops_per_token": flops["mfu"], "flops_per_token_6n": flops["6n"]}
             if trainer.peak:
-                summary["mfu"] = trainer.mfu(flops["mfu"], tok_per_s)
-                summary["mfu_6n"] = trainer.mfu(flops["6n"], tok_per_s)
+                summary |= {"mfu": trainer.mfu(flops["mfu"], tok_per_s), "mfu_6n": trainer.mfu(flops["6n"], tok_per_s)}
         if torch.cuda.is_available():
             summary["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         print0("benchmark " + json.dumps(summary))
@@ -700,9 +678,8 @@ class Measurement:
 
 
 def allocate_grads(model: torch.nn.Module) -> None:
-    """Give every trainable parameter a zero .grad. CUDA graph trees own the memory of a replayed backward's outputs
-    and overwrite it at the next replay, so no .grad may be such an output: with .grad allocated (and zeroed, not
-    freed, between steps) autograd adds each micro-batch's gradients into it in place."""
+    """Give every trainable parameter a zero .grad: CUDA graph trees overwrite a replayed backward's outputs at the
+    next replay, so no .grad may be one; allocated (and zeroed, not freed), autograd adds into it in place."""
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -718,15 +695,9 @@ def memory_gb(device: torch.device) -> tuple[str, float]:
     return "max_rss_gb", peak * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 
-def for_wandb(entry: dict[str, Any]) -> dict[str, Any]:
-    """wandb's metrics: integers past 2^53 (cumulative FLOPs) as floats."""
-    return {k: float(v) if isinstance(v, int) and abs(v) > 2**53 else v for k, v in entry.items()}
-
-
 def freeze_gc() -> None:
-    """gc.freeze(), undone at exit. Frozen objects are never collected, not even when the interpreter shuts down,
-    so without the unfreeze libtriton's nanobind finds its objects still alive at exit and prints ~80 lines of
-    "nanobind: leaked ..." (they are not leaks: the collector was told to skip them)."""
+    """gc.freeze(), undone at exit: without the unfreeze libtriton's nanobind finds its frozen objects alive at exit
+    and prints ~80 lines of "nanobind: leaked ..." (they are not leaks: the collector was told to skip them)."""
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # once, however often a process (a test session) calls main
     atexit.register(gc.unfreeze)

@@ -6,12 +6,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # With -h or --help among the arguments: print the script's header comment (its usage) and exit 0, before anything
 # is synced, installed, prepared or trained.
 ppt_help() {
-    local script="$1"
-    shift
-    for arg in "$@"; do
-        case "$arg" in
-            -h|--help) awk 'NR == 1 && /^#!/ { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$script"; exit 0 ;;
-        esac
+    for arg in "${@:2}"; do
+        if [ "$arg" = -h ] || [ "$arg" = --help ]; then
+            awk 'NR == 1 && /^#!/ { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$1"
+            exit 0
+        fi
     done
 }
 
@@ -31,6 +30,5 @@ ppt_backend() {
     else echo cpu; fi
 }
 
-if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # run, not sourced: there is nothing to do but say what it is for
-    ppt_help "$0" --help
-fi
+# run, not sourced: there is nothing to do but say what it is for
+[ "${BASH_SOURCE[0]}" != "$0" ] || ppt_help "$0" --help

@@ -9,11 +9,7 @@
 # Each command is printed before it runs, so it can be rerun or changed by hand.
 source "$(dirname "$0")/env.sh"
 ppt_help "$0" "$@"
-config=tiny
-data_dir=""
-tag=""
-out_dir=""
-args=()
+config=tiny data_dir="" tag="" out_dir="" args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --config|--data-dir|--tag|--out-dir)
@@ -23,12 +19,7 @@ while [ $# -gt 0 ]; do
             name="${1%%=*}"; name="${name#--}"; value="${1#*=}"; shift ;;
         *) args+=("$1"); shift; continue ;;
     esac
-    case "$name" in
-        config) config="$value" ;;
-        data-dir) data_dir="$value" ;;
-        tag) tag="$value" ;;
-        out-dir) out_dir="$value" ;;
-    esac
+    printf -v "${name//-/_}" '%s' "$value"  # --data-dir sets $data_dir
 done
 ppt_env --extra cpu --extra eval
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

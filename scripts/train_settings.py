@@ -294,7 +294,6 @@ def compile_mode(choice: str, rt: Runtime) -> str:
 
 
 def record_settings(s: Settings, rt: Runtime, **derived: Any) -> TrainSettings:
-    """What a run record and a checkpoint keep of the settings (the fields a resume compares), by their names here and
-    in `derived`: those that need the built model (Trainer.derive)."""
+    """What a run record and a checkpoint keep of the settings, by their names here and in `derived` (derive's)."""
     values = vars(s) | derived | {"world_size": rt.world_size, "dtype": str(rt.dtype)}
     return TrainSettings(**{f.name: values[f.name] for f in dataclasses.fields(TrainSettings)})
