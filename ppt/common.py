@@ -137,8 +137,13 @@ def wrap_ddp(module: torch.nn.Module, rt: Runtime, find_unused_parameters: bool 
     params = inspect.signature(DistributedDataParallel).parameters
     no_forward_sync = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
     device_ids = [rt.local_rank] if rt.device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=find_unused_parameters,
-                                   gradient_as_bucket_view=True, **{no_forward_sync: False})  # fmt: skip
+    return DistributedDataParallel(
+        module,
+        device_ids=device_ids,
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=True,
+        **{no_forward_sync: False},
+    )
 
 
 def shutdown_runtime(wait: bool = True) -> None:

@@ -114,8 +114,14 @@ def hold_lock(lock_file: Path, what: str, fix: str, remove_empty_dir: bool = Fal
     host, or any owner on another host (whose liveness this host cannot see), stops this run with a PPTError naming the
     owner and `fix`; a dead one's lock is taken over with a warning. The file appears whole (hard-linked from temp)."""
     lock_file, host, pid = Path(lock_file), socket.gethostname(), os.getpid()
-    owner = {"pid": pid, "host": host, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv,
-             "process_start": _process_start(pid), "token": uuid.uuid4().hex}  # fmt: skip
+    owner = {
+        "pid": pid,
+        "host": host,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+        "process_start": _process_start(pid),
+        "token": uuid.uuid4().hex,
+    }
     tmp = temp_path(lock_file)
     try:
         lock_file.parent.mkdir(parents=True, exist_ok=True)

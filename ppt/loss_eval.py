@@ -32,9 +32,11 @@ def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager
 
 
 def evaluate_bpb(
-    model: nn.Module, batches: Iterable[tuple[Tensor, Tensor, Tensor]], token_bytes: Tensor,
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor, Tensor]],
+    token_bytes: Tensor,
     dtype: torch.dtype = torch.float32,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """NLL and bits-per-byte over `batches` of (inputs, targets, doc_pos); the model is left in its prior mode. Returns
     `nll` (nats per target token), `bpb`, `tokens` (targets scored) and `bytes` (of the targets that count towards bpb),
     both counts summed over ranks."""
@@ -61,8 +63,14 @@ def evaluate_bpb(
             valid = targets >= 0
             nbytes = torch.where(valid, token_bytes[targets.clamp_min(0)], 0).double()
             # masked sums rather than boolean indexing, which would wait for the GPU on every batch
-            sums += torch.stack([torch.where(valid, nll, 0).sum(), valid.sum().double(),
-                                 torch.where(nbytes > 0, nll, 0).sum(), nbytes.sum()])  # fmt: skip
+            sums += torch.stack(
+                [
+                    torch.where(valid, nll, 0).sum(),
+                    valid.sum().double(),
+                    torch.where(nbytes > 0, nll, 0).sum(),
+                    nbytes.sum(),
+                ]
+            )
     finally:
         model.train(was_training)
     if dist.is_initialized():

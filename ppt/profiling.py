@@ -112,8 +112,10 @@ def kernel_time_by_kind(prof: profile, steps: int, wall: float, largest: int = 1
         per_kind[kind] += seconds[kind, name]
         launches_per_kind[kind] += launches[kind, name]
     busy = per_kind.total()
-    lines = [f"kernels {1000 * busy:.1f} ms per iteration ({100 * busy / wall:.1f}% of the wall time), "
-             f"{launches_per_kind.total():.0f} launches"]  # fmt: skip
+    lines = [
+        f"kernels {1000 * busy:.1f} ms per iteration ({100 * busy / wall:.1f}% of the wall time), "
+        f"{launches_per_kind.total():.0f} launches"
+    ]
     for kind, kind_seconds in per_kind.most_common():
         share, kind_launches = 100 * kind_seconds / wall, launches_per_kind[kind]
         lines.append(f"  {kind:40s} {1000 * kind_seconds:8.1f} ms  {share:5.1f}%  {kind_launches:6.1f} launches")

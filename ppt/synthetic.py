@@ -30,9 +30,14 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def write_synthetic_data(
-    directory: Path, vocab_size: int, train_tokens: int, mean_doc_len: int, seed: int, val_tokens: int | None = None,
+    directory: Path,
+    vocab_size: int,
+    train_tokens: int,
+    mean_doc_len: int,
+    seed: int,
+    val_tokens: int | None = None,
     phrases: int = 0,
-) -> None:  # fmt: skip
+) -> None:
     """Shards of uniform random tokens, or with `phrases` > 0 a random sequence of that many fixed random 8-token
     phrases: text a model learns from within a few steps (the loss falls), unlike uniform noise."""
     tokenizer = synthetic_tokenizer(vocab_size)
@@ -46,12 +51,30 @@ def write_synthetic_data(
         doc_ends = np.cumsum(rng.exponential(mean_doc_len, size=n // max(mean_doc_len // 4, 1)).astype(np.int64) + 1)
         tokens[doc_ends[doc_ends < n]] = 0
         tokens[0] = 0
-        write_shard(shard_path(directory, split, 0), tokens, vocab_size=vocab_size, eot_id=0,
-                    fingerprint=tokenizer.fingerprint, demo=True, tokenizer_name=tokenizer.name)  # fmt: skip
+        write_shard(
+            shard_path(directory, split, 0),
+            tokens,
+            vocab_size=vocab_size,
+            eot_id=0,
+            fingerprint=tokenizer.fingerprint,
+            demo=True,
+            tokenizer_name=tokenizer.name,
+        )
     tokenizer.save(directory)
-    write_meta(directory, {
-        "format": META_FORMAT, "source": "synthetic",
-        "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint, "is_demo": True,
-                      "vocab_size": vocab_size, "eot_id": 0},
-        "val": {"shards": 1}, "train": {"shards": 1}, "progress": {"complete": True},
-    })  # fmt: skip
+    write_meta(
+        directory,
+        {
+            "format": META_FORMAT,
+            "source": "synthetic",
+            "tokenizer": {
+                "name": tokenizer.name,
+                "fingerprint": tokenizer.fingerprint,
+                "is_demo": True,
+                "vocab_size": vocab_size,
+                "eot_id": 0,
+            },
+            "val": {"shards": 1},
+            "train": {"shards": 1},
+            "progress": {"complete": True},
+        },
+    )

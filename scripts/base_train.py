@@ -557,8 +557,9 @@ class Trainer:
     def log_wandb(self, entry: dict[str, Any]) -> None:
         """wandb's metrics, with integers past 2^53 (cumulative FLOPs) as floats."""
         if self.wandb_run:
-            self.wandb_run.log({k: float(v) if isinstance(v, int) and abs(v) > 2**53 else v for k, v in entry.items()},
-                               step=self.step)  # fmt: skip
+            self.wandb_run.log(
+                {k: float(v) if isinstance(v, int) and abs(v) > 2**53 else v for k, v in entry.items()}, step=self.step
+            )
 
     def save(self) -> None:
         s = self.settings
@@ -566,14 +567,22 @@ class Trainer:
         if not self.rt.is_master:
             return
         payload = {
-            "format": CHECKPOINT_FORMAT, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "config": s.config_dict, "settings": dataclasses.asdict(self.record.train),
-            "loader": self.train_loader.state_dict(), "rng": ckpt.rng_state(), "tokens": self.tokens_seen,
-            "history": self.record.history, "skipped_nonfinite_steps": self.skipped,
-            "tokenizer_fingerprint": s.tokenizer.fingerprint, "data_fingerprint": self.train_loader.fingerprint(),
+            "format": CHECKPOINT_FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "config": s.config_dict,
+            "settings": dataclasses.asdict(self.record.train),
+            "loader": self.train_loader.state_dict(),
+            "rng": ckpt.rng_state(),
+            "tokens": self.tokens_seen,
+            "history": self.record.history,
+            "skipped_nonfinite_steps": self.skipped,
+            "tokenizer_fingerprint": s.tokenizer.fingerprint,
+            "data_fingerprint": self.train_loader.fingerprint(),
             "comparison": {"flops": self.comparison_flops, "rule": self.rule.state_dict(), "rule_step": self.rule_step},
-            "wall_time_s": self.wall_time(), "wandb_id": (self.record.wandb or {}).get("id"),
-        }  # fmt: skip
+            "wall_time_s": self.wall_time(),
+            "wandb_id": (self.record.wandb or {}).get("id"),
+        }
         print0(f"saved {ckpt.save_checkpoint(s.out_dir, self.step, payload, keep=s.keep)}")
 
     def write_record(self) -> None:
@@ -660,11 +669,14 @@ class Measurement:
         step_time = statistics.fmean(h["step_time"] for h in measured)
         tok_per_s = statistics.fmean(h["tok_per_s"] for h in measured)
         summary = {
-            "params": trainer.n_params, "steps_measured": len(measured),
-            "steps_profiled_left_out": len(after_warmup) - len(measured), "tok_per_s": tok_per_s,
-            "step_time_s": step_time, "data_share": statistics.fmean(h["data_time"] for h in measured) / step_time,
+            "params": trainer.n_params,
+            "steps_measured": len(measured),
+            "steps_profiled_left_out": len(after_warmup) - len(measured),
+            "tok_per_s": tok_per_s,
+            "step_time_s": step_time,
+            "data_share": statistics.fmean(h["data_time"] for h in measured) / step_time,
             "optimizer_share": statistics.fmean(self.optimizer_seconds(h["step"]) for h in measured) / step_time,
-        }  # fmt: skip
+        }
         per_token = measured[-1]["comparison_flops"] / measured[-1]["tokens"]  # the rule's, over the run so far
         summary |= {"comparison_flops_per_token": per_token, "comparison_tflops": per_token * tok_per_s / 1e12}
         if flops := trainer.mfu_flops:
