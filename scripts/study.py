@@ -71,7 +71,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -280,22 +280,15 @@ def _round(lr: float) -> float:
     return float(f"{lr:.3g}")
 
 
-class _Refused(Exception):
-    pass
-
-
 def _check_argv(path: Path, grid: Grid, run: Run) -> None:
     """Parse a run's flags as base_train will, so a value it refuses stops the study before any run starts."""
     parser = train_settings.build_parser()
 
-    def refuse(message: str) -> None:
-        raise _Refused(message)
+    def refuse(message: str) -> NoReturn:
+        raise _fail(path, f"base_train refuses run {run.name}: {message}; fix `args` or [arch.{run.arch}]") from None
 
     parser.error = refuse
-    try:
-        parser.parse_args(Study(grid, Path("out"), deterministic=True).argv(run))
-    except _Refused as exc:
-        raise _fail(path, f"base_train refuses run {run.name}: {exc}; fix `args` or [arch.{run.arch}]") from None
+    parser.parse_args(Study(grid, Path("out"), deterministic=True).argv(run))
 
 
 # Flags that say where a run's files are and how its kernels launch, not what it computes: a study may change them
@@ -622,23 +615,16 @@ def seconds_needed(study: Study, run: Run) -> float:
     return statistics.median(estimates or neighbours) if estimates or neighbours else 0.0
 
 
+def describe(run: Run) -> str:
+    return f"{run.size} at {run.budget:.3g} FLOPs, seed {run.seed}{run.variant}, lr {run.lr:g}"
+
+
 class Progress:
-    """A line when a run starts and when it ends; off a terminal also a status line every STATUS_EVERY seconds."""
+    """Off a terminal, a status line every STATUS_EVERY seconds."""
 
     def __init__(self, study: Study, launcher: LocalPool | SlurmLauncher) -> None:
         self.study, self.launcher = study, launcher
         self.shown = time.time()
-
-    def started(self, run: Run, job: Job) -> None:
-        print(f"start {self.describe(run)} on {job.where}", flush=True)
-
-    def ended(self, run: Run, job: Job, outcome: str, counts: str) -> None:
-        print(f"end   {self.describe(run)} on {job.where}: {outcome}, {duration(time.time() - job.started)} "
-              f"({counts})", flush=True)  # fmt: skip
-
-    @staticmethod
-    def describe(run: Run) -> str:
-        return f"{run.size} at {run.budget:.3g} FLOPs, seed {run.seed}{run.variant}, lr {run.lr:g}"
 
     def status(self, running: dict[Run, Job], queued: list[Run], force: bool = False) -> None:
         if not force and (sys.stdout.isatty() or time.time() - self.shown < STATUS_EVERY):
@@ -684,7 +670,7 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
                 study.log(run).parent.mkdir(parents=True, exist_ok=True)
                 running[run] = job = launcher.start(run.name, study.argv(run), study.log(run), study.run_env)
                 attempts[run] = attempts.get(run, 0) + 1
-                progress.started(run, job)
+                print(f"start {describe(run)} on {job.where}", flush=True)
             if not running and study.awaiting_forecast and not (signals or out_of_time):
                 write_forecast(study)
                 continue
@@ -700,7 +686,8 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
                     outcome += f"; its log: {study.log(run)}"
                 elif outcome.startswith("failed"):
                     outcome += "; trying it once more, resumed"
-                progress.ended(run, job, outcome, f"{len(study.finished)} done, {len(running)} running")
+                print(f"end   {describe(run)} on {job.where}: {outcome}, {duration(time.time() - job.started)} "
+                      f"({len(study.finished)} done, {len(running)} running)", flush=True)  # fmt: skip
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
