@@ -67,18 +67,14 @@ def last_error(log: Path) -> str:
 # The local pool
 
 
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them for a child (its own list, if set)."""
+def chosen_gpus(choice: str) -> list[str]:
+    """--gpus: 'all' (every visible GPU; none on a machine without one) or ids 0,1,3 of the visible GPUs, each as
+    CUDA_VISIBLE_DEVICES names it for a child (this process's own list, if set)."""
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return listed.split(",")[:count] if listed else [str(i) for i in range(count)]
-
-
-def chosen_gpus(choice: str) -> list[str]:
-    """--gpus: 'all' (every visible GPU; none on a machine without one) or ids 0,1,3 of the visible GPUs."""
-    visible = visible_gpus()
+    visible = listed.split(",")[:count] if listed else [str(i) for i in range(count)]
     if choice == "all":
         return visible
     try:
@@ -153,16 +149,15 @@ class LocalPool:
 
     def wait(self, timeout: float) -> list[tuple[Job, int | None]]:
         """The runs that ended within `timeout` seconds (returns as soon as one has), with their exit statuses."""
-        ended = multiprocessing.connection.wait(list(self.running), timeout) if self.running else []
         if not self.running:
             time.sleep(timeout)
+            return []
         done = []
-        for sentinel in ended:
+        for sentinel in multiprocessing.connection.wait(list(self.running), timeout):
             job, process = self.running.pop(sentinel)
             process.join()
             self.free.append(job.slot)
-            code = process.exitcode
-            done.append((job, None if code is None or code < 0 else code))  # < 0: killed by a signal
+            done.append((job, None if process.exitcode < 0 else process.exitcode))  # < 0: killed by a signal
         return done
 
     def stop(self, job: Job) -> None:
@@ -217,10 +212,8 @@ class SlurmLauncher:
         self.folder, self.settings = folder, settings
         self.jobs_file = folder / "jobs.json"
         self.executor = submitit.SlurmExecutor(folder=folder / "%j")
-        extra = {}
-        for flag in settings.sbatch:
-            key, _, value = flag.removeprefix("--").partition("=")
-            extra[key.replace("-", "_")] = value or True
+        flags = (flag.removeprefix("--").partition("=") for flag in settings.sbatch)
+        extra = {key.replace("-", "_"): value or True for key, _, value in flags}
         gpus = {"gpus_per_node": settings.gpus_per_run} if settings.gpus_per_run else {}
         self.executor.update_parameters(
             time=settings.time_min, partition=settings.partition, account=settings.account,
@@ -286,10 +279,7 @@ class SlurmLauncher:
 
     def adopt(self, runs: dict[str, Path]) -> list[Job]:
         """The jobs an earlier study submitted that Slurm still has: followed, not submitted again."""
-        try:
-            recorded = json.loads(self.jobs_file.read_text())
-        except FileNotFoundError:
-            recorded = {}
+        recorded = json.loads(self.jobs_file.read_text()) if self.jobs_file.is_file() else {}
         alive = self.alive()
         for name, job_id in recorded.items():
             if job_id in alive and name in runs:

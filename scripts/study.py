@@ -198,7 +198,6 @@ def _flags(path: Path, value: object, where: str) -> list[str]:
 
 
 def _slurm_settings(path: Path, table: object) -> SlurmSettings:
-    """The grid's [slurm] table: partition, time_min, gpus_per_run, cpus_per_run, account, sbatch (a list of flags)."""
     if not isinstance(table, dict) or set(table) - set(SLURM_FLAGS):
         raise _fail(path, f"[slurm] takes {', '.join(SLURM_FLAGS)}, got {table!r}")
     kinds = {"partition": str, "account": str, "time_min": int, "gpus_per_run": int, "cpus_per_run": int}
@@ -345,16 +344,14 @@ class Study:
                            "study (without --report) with its data once") from None  # fmt: skip
 
     def baselines(self, record: RunRecord) -> dict[str, Any]:
-        """The count baselines on the val targets `record`'s final evaluation scored: kept in study.json, so that
-        the results can be written again from the records alone."""
+        """The count baselines on the val targets `record`'s final evaluation scored (kept in study.json)."""
         key = f"{record.train.eval_tokens} {record.train.seq_len} {record.train.world_size}"
         if key not in self.decisions["baselines"]:
             self.decisions["baselines"][key] = ngram_bpb(self.grid.data_dir, *map(int, key.split()))
         return self.decisions["baselines"][key]
 
     def cell_order(self, key: str) -> tuple:
-        """Where a decision's key ("arch size", "arch size at budget", "arch size budget") sorts: the grid's order
-        of architectures and sizes, then budget (not the order the runs that decided it finished in)."""
+        """Where a decision's key ("arch size", "arch size at budget", "arch size budget") sorts: grid order, budget."""
         arch, size, *budget = key.replace(" at ", " ").split()
         return [a.name for a in self.grid.archs].index(arch), self.archs[arch].sizes.index(size), [*map(float, budget)]
 
@@ -420,15 +417,14 @@ class Study:
         return list(dict.fromkeys(r for r in todo if self.loss(r) is None))
 
     def holds_top_budget(self) -> bool:
-        """Whether the top budget waits for its forecast: a grid of FORECAST_BUDGETS budgets or more whose
-        forecast is not written and none of whose top-budget runs has started (then it can only be a retrodiction)."""
+        """Whether the top budget waits for its forecast: not written yet, and none of its runs started (after that
+        it could only be a retrodiction)."""
         top = f"-f{self.grid.budgets[-1]:.3g}-"
         started = any(top in path.name for path in (self.out / "runs").glob("*"))
         return len(self.grid.budgets) >= FORECAST_BUDGETS and not self.forecast_path.exists() and not started
 
     def sizes_at(self, arch: Arch, budget: float) -> tuple[list[str], list[Run]]:
-        """The sizes trained at a budget and the runs still needed to decide them: the prior's neighbourhood, then
-        one size further while the best trained so far is at an end (and the list goes on)."""
+        """The sizes trained at a budget (module docstring, "Sizes") and the runs still needed to decide them."""
         sizes = self.prior_sizes(arch, budget)
         while True:
             waiting, means = [], {}
@@ -451,8 +447,6 @@ class Study:
                 return sizes, []
 
     def allowed_sizes(self, arch: Arch, budget: float) -> list[str]:
-        """The sizes a run at this budget can train: at most max_epochs of the train split, and at least the tokens
-        base_train needs (one step, and the warmup if the grid sets one)."""
         return [s for s in arch.sizes if self.why_not(arch, s, budget) is None]
 
     def why_not(self, arch: Arch, size: str, budget: float) -> str | None:
@@ -487,10 +481,8 @@ class Study:
         return [s for s in arch.sizes if s in chosen]
 
     def rate_at(self, arch: Arch, size: str, budget: float) -> tuple[float | None, list[Run]]:
-        """(the size's learning rate at a budget, the runs still needed to decide it; None until decided). Swept at
-        the smallest budget that trains the size, then checked at each budget it trains at RATE_CHECK times (or more)
-        the FLOPs of the budget it was last swept at: seed 0 at the rate and one neighbour each side, which is a
-        sweep there, extended past a neighbour that wins. A grid of one rate (no sweep) is not checked."""
+        """(the size's learning rate at a budget, None until decided; the runs still needed): module docstring,
+        "Learning rates". A grid of one rate (no sweep) is not checked."""
         # the smallest budget that trains the size: a smaller one whose sizes (decided first) hold it, or this one
         swept_at = next((b for b in self.grid.budgets if b < budget and size in self.decided_sizes(arch, b)), budget)
         lr, sweep = self.rate(arch, size, swept_at, arch.lrs, f"{arch.name} {size}")
@@ -513,8 +505,7 @@ class Study:
     def rate(
         self, arch: Arch, size: str, budget: float, start: list[float], key: str
     ) -> tuple[float | None, list[Run]]:
-        """(the best rate of a sweep from `start` at the budget, its runs); None until it has decided (then in
-        decisions["rates"][key]). A best at an end adds the next rate past it, up to MAX_EXTENSIONS a side; seed 0."""
+        """(the best rate of a sweep from `start` at the budget, None until decided; its runs, seed 0 only)."""
         lrs, seed = list(start), self.grid.seeds[0]
         while True:
             sweep = [Run(arch.name, size, budget, lr, seed) for lr in lrs]
@@ -549,8 +540,7 @@ class Study:
         return self.decisions["sizes"].get(f"{arch.name} {budget:.3g}", [])
 
     def first_baseline_run(self) -> Run | None:
-        """The run the rerun floor repeats: the baseline's middle size at the smallest budget, first seed; None
-        until that size and its rate are decided."""
+        """The run the rerun floor repeats: the baseline's middle size at the smallest budget, first seed."""
         arch, budget = self.archs[self.grid.baseline], self.grid.budgets[0]
         if not (sizes := self.decided_sizes(arch, budget)):
             return None
@@ -559,8 +549,7 @@ class Study:
         return Run(arch.name, size, budget, rate["lr"], self.grid.seeds[0]) if rate else None
 
     def grid_runs(self) -> list[Run]:
-        """The runs the verdict reads: every seed of every size trained at each budget, at the size's rate there
-        (a rate whose check has runs left: the rate so far)."""
+        """The runs the verdict reads: every seed of every size trained at each budget, at the size's rate there."""
         runs = []
         for arch in self.grid.archs:
             for budget in self.grid.budgets:
@@ -601,9 +590,8 @@ class Study:
 
 
 def seconds_needed(study: Study, run: Run) -> float:
-    """A run's wall time as the finished runs of its size predict it (the median): each one's time outside training
-    (compilation, evaluation) plus this run's tokens at its training speed. A size not run yet: the median wall time
-    of its architecture's runs at this budget (equal FLOPs take roughly equal time); 0 when there are none."""
+    """A run's wall time, the median over the finished runs of its size (their time outside training plus this run's
+    tokens at their speed), else over its architecture's runs at its budget (equal FLOPs, similar time), else 0."""
     estimates, neighbours = [], []
     for done, record in study.finished.items():
         if done.size == run.size:
@@ -639,8 +627,7 @@ class Progress:
 
 
 def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float | None) -> str:
-    """Train what the plan calls for, up to the launcher's slots at once, planning again whenever a run ends: the
-    plan depends only on the runs finished, so the runs and decisions are those of one run at a time. Returns
+    """Train what the plan calls for, up to the launcher's slots at once, planning again whenever a run ends. Returns
     "complete", "deadline" (no run left fits before it, or it stopped runs), "stopped" (SIGINT or SIGTERM: the runs
     were stopped, each with a checkpoint) or "failed" (runs that failed twice, reported; the others went on)."""
     runs_by_name = {r.name: r for r in study.plan()}
@@ -702,8 +689,7 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
 
 
 def write_forecast(study: Study) -> None:
-    """Every budget below the top is done: its frontiers predict the top budget (ppt/forecast.py), written once into
-    <out>/forecast.json before any of its runs starts."""
+    """The top budget predicted from the budgets below (ppt/forecast.py), before any of its runs starts."""
     top = study.grid.budgets[-1]
     predicted = forecast.predict([r for r in run_results(study) if r.budget < top], study.grid.baseline, top)
     forecast.write(predicted, study.forecast_path)
@@ -711,9 +697,8 @@ def write_forecast(study: Study) -> None:
 
 
 def outcome_of(study: Study, run: Run, code: int | None, asked_to_stop: bool) -> str:
-    """What a run's exit status means: its val bpb; "diverged" (marked, so the plan counts it infinitely bad);
-    "stopped" when the study stopped it (it resumes from its checkpoint next time); else "failed (...)" and the log's
-    last error line."""
+    """What a run's exit status means: its val bpb, "diverged" (marked for the plan), "stopped" (by the study), or
+    "failed (...)" and the log's last error line."""
     if code == 0 and (loss := study.loss(run)) is not None:
         return f"val bpb {loss:.4f}"
     error = last_error(study.log(run))
@@ -730,8 +715,7 @@ def outcome_of(study: Study, run: Run, code: int | None, asked_to_stop: bool) ->
 
 
 def run_results(study: Study) -> list[frontier.RunResult]:
-    """The verdict's runs; GPU-seconds: a run's tokens at its size's training speed as `--time` measured it (None for a
-    size it has not timed), never the runs' own speeds, which depend on what trained beside them."""
+    """The verdict's runs; GPU-seconds: tokens at the size's speed as `--time` measured it alone (else None)."""
     speeds = {size: statistics.median(s) for size, s in study.speeds().get("tok_per_s", {}).items()}
     results = []
     for run in study.grid_runs():
@@ -743,9 +727,8 @@ def run_results(study: Study) -> list[frontier.RunResult]:
 
 
 def time_sizes(study: Study, launcher: LocalPool, repeats: int) -> None:
-    """--time N: each size the verdict reads, N times, sizes interleaved, each alone on a GPU: base_train --benchmark
-    with the size's flags for TIMING_STEPS steps (the summary's tokens/s leaves out the first 5). Written to
-    <out>/speeds.json with the code and hardware they were measured on."""
+    """--time N: each size the verdict reads N times, interleaved, alone on a GPU (base_train --benchmark for
+    TIMING_STEPS steps), into <out>/speeds.json with the code and hardware."""
     sizes = {run.size: run for run in sorted(study.grid_runs(), key=lambda r: -r.budget)}  # the longest run's flags
     todo = [(size, i) for i in range(repeats) for size in sizes]
     speeds: dict[str, list[float]] = {}
@@ -772,7 +755,6 @@ def time_sizes(study: Study, launcher: LocalPool, repeats: int) -> None:
 
 
 def floor_text(study: Study) -> str:
-    """The rerun floor: the deterministic rerun against the original, and the two runs without --deterministic."""
     first = study.first_baseline_run()
     runs = {r.variant: r for r in study.floor_runs()}
     original, lines = study.record(first), [f"Rerun floor ({first.name}):"]
@@ -789,8 +771,7 @@ def floor_text(study: Study) -> str:
 
 
 def forecast_text(study: Study, results: list[frontier.RunResult], verdict: frontier.Verdict) -> list[str]:
-    """The forecast of the top budget against its measurement, and whether it was written before its runs started;
-    without one, a retrodiction from the same records, labelled so."""
+    """The top budget's forecast against its measurement, and whether it was pre-registered; else a retrodiction."""
     top = study.grid.budgets[-1]
     if len(study.grid.budgets) < FORECAST_BUDGETS:
         return []
@@ -810,8 +791,7 @@ def forecast_text(study: Study, results: list[frontier.RunResult], verdict: fron
 
 
 def budget_settings(study: Study, budget: float) -> list[compare.Setting]:
-    """The budget's grid runs as scripts.compare's settings, one per size (its seeds), labelled with the size's rate
-    and the passes its runs made over the train split."""
+    """The budget's grid runs as scripts.compare's settings, one per size (its seeds)."""
     settings: dict[str, compare.Setting] = {}
     for run in (r for r in study.grid_runs() if r.budget == budget):
         record = study.record(run)
@@ -824,13 +804,11 @@ def budget_settings(study: Study, budget: float) -> list[compare.Setting]:
 
 
 def best_setting(settings: list[compare.Setting], arch: str) -> compare.Setting:
-    """The architecture's size with the lowest mean final val bpb among a budget's settings."""
     return min((s for s in settings if s.fields["arch"] == arch), key=lambda s: statistics.fmean(s.final("val_bpb")))
 
 
 def edge_notes(study: Study, tables: dict[float, list[compare.Setting]]) -> list[str]:
-    """Where a budget's best size is at an end of the sizes it trained, why no size past it ran: the grid lists
-    none, or the epoch cap ruled it out (then the frontier point there is limited by the data)."""
+    """Where a budget's best size is at an end of the sizes it trained, why no size past it ran."""
     notes = []
     for arch in study.grid.archs:
         for budget, settings in tables.items():
