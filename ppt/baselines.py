@@ -52,11 +52,9 @@ def largest_order(vocab_size: int) -> int:
 
 
 def val_rows(streams: list[np.ndarray], eval_tokens: int, seq_len: int, world_size: int = 1) -> np.ndarray:
-    """(R, seq_len + 1): the rows evaluate_bpb scores, in file order; a row's targets are row[1:].
-
-    `DataLoader.val_batches` gives all ranks together the split's first R rows, R = world_size * min(eval_tokens //
-    (seq_len * world_size), rows // world_size); a shard's k-th row is tokens[k*seq_len : (k+1)*seq_len + 1].
-    """
+    """(R, seq_len + 1): the rows evaluate_bpb scores, in file order; a row's targets are row[1:]. As
+    `DataLoader.val_batches` gives them to all ranks together: the split's first R = world_size * min(eval_tokens //
+    (seq_len * world_size), rows // world_size) rows, a shard's k-th row tokens[k*seq_len : (k+1)*seq_len + 1]."""
     if seq_len < 1 or world_size < 1:
         raise PPTError(f"seq_len and world_size must be positive, got {seq_len} and {world_size}")
     rows_per_shard = [(s.size - 1) // seq_len for s in streams]
@@ -105,8 +103,7 @@ def discounts(counts: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Level:
-    """One order of the interpolation: each n-gram's discounted share of its context, and each context's backoff
-    weight g(h)."""
+    """One order of the interpolation: each n-gram's discounted share of its context, each context's weight g(h)."""
 
     grams: np.ndarray  # sorted n-gram codes
     share: np.ndarray  # (a(hw) - D(a(hw))) / a(h.)
@@ -164,8 +161,7 @@ class KneserNey:
                 self.lower.append(Level.count(grams, adjusted, vocab_size))
 
     def probabilities(self, rows: np.ndarray) -> np.ndarray:
-        """(max_order, R, T): P(target) of each target rows[:, 1:] of rows (R, T+1) under the models of order 1 ..
-        max_order."""
+        """(max_order, R, T): P(target) of each target rows[:, 1:] of rows (R, T+1) under each order's model."""
         lengths = context_lengths(rows, self.eot_id)
         below = np.full(lengths.shape, 1 / self.vocab_size)  # P(w | h') of the lower-order chain
         models = []
@@ -180,12 +176,9 @@ class KneserNey:
 def ngram_bpb(
     data_dir: str | Path, eval_tokens: int, seq_len: int, world_size: int = 1, max_order: int = 4
 ) -> dict[str, float | int | str]:
-    """bpb of Kneser-Ney models of orders 1 .. max_order (train-split counts) on the val targets of a run with this
-    eval budget and seq_len; orders whose n-gram codes outgrow 64 bits are left out (order 4 fits V <= 65536).
-
-    Returns `unigram`, `bigram`, `trigram`, `4gram` ... (bpb), `best` (the name of the lowest), and `tokens`,
-    `bytes`: the targets scored and their bytes, as evaluate_bpb reports them for the same run.
-    """
+    """bpb of Kneser-Ney models of orders 1 .. max_order (train-split counts; orders whose codes outgrow 64 bits are
+    left out) on the val targets of a run with this eval budget and seq_len: `unigram`, `bigram`, ... , `best` (the
+    name of the lowest), and `tokens`, `bytes` (the targets scored and their bytes, as evaluate_bpb reports them)."""
     tokenizer = load_data_tokenizer(data_dir)
 
     def streams(split: str) -> list[np.ndarray]:

@@ -74,9 +74,8 @@ ANALYSES = {
 
 @dataclass(frozen=True)
 class RunResult:
-    """One finished run. `size`: the parameter count the caller compares by (non-embedding or total, one kind for
-    all runs); `loss`: final val bits-per-byte; `flops`: realized comparison FLOPs; `seconds`: GPU-seconds of the run
-    measured alone on the GPU (or tokens / throughput), None when not measured."""
+    """One finished run. `size`: parameters (one kind for all runs); `loss`: final val bpb; `flops`: realized
+    comparison FLOPs; `seconds`: GPU-seconds measured alone on the GPU, None when not measured."""
 
     arch: str
     budget: float
@@ -187,8 +186,7 @@ def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, 
 @dataclass
 class Robustness:
     """k of `arch` against the baseline at its `budget` in `unit` under each of ANALYSES (None: n/a), intervals
-    widened by the rerun `floor`, and the verdict: "cheaper" or "dearer" where every interval excludes 1 on that
-    side, else "not clear"."""
+    widened by the rerun `floor`, and the verdict (step 5)."""
 
     arch: str
     budget: float
@@ -203,8 +201,7 @@ class Robustness:
 
 
 def robustness(runs: Sequence[RunResult], baseline: str, unit: str = "flops", floor: float = 0.0) -> list[Robustness]:
-    """Step 5, and step 6 with a floor: every analysis of ANALYSES at each of the baseline's budgets in `unit`; the
-    quadratic frontier n/a where an architecture has fewer than 3 budgets."""
+    """Step 5, and step 6 with a floor: every analysis of ANALYSES at each of the baseline's budgets in `unit`."""
     few_budgets = any(len({r.budget for r in runs if r.arch == arch}) < 3 for arch in {r.arch for r in runs})
     found = {name: {} if analysis.quadratic_frontier and few_budgets else
              {(m.arch, m.budget): m for m in widened_multipliers(runs, baseline, analysis, floor) if m.unit == unit}
@@ -220,8 +217,7 @@ def robustness(runs: Sequence[RunResult], baseline: str, unit: str = "flops", fl
 
 
 def widened_multipliers(runs: Sequence[RunResult], baseline: str, analysis: Analysis, floor: float) -> list[Multiplier]:
-    """verdict(runs, baseline, analysis)'s multipliers, each interval widened by the rerun floor (step 6): to the
-    envelope of the intervals with every other architecture's losses shifted by -floor, 0 and +floor."""
+    """verdict(runs, baseline, analysis)'s multipliers, each interval widened by the rerun floor (step 6)."""
     result = verdict(runs, baseline, analysis).multipliers
     for shift in (-floor, floor) if floor else ():
         shifted = [run if run.arch == baseline else replace(run, loss=run.loss + shift) for run in runs]
@@ -236,7 +232,7 @@ def widened_multipliers(runs: Sequence[RunResult], baseline: str, analysis: Anal
 
 def rerun_floor(pairs: Sequence[tuple[float, float]]) -> float:
     """The largest |original - rerun| final loss of runs trained again on other hardware or code (step 6): with a
-    handful of reruns, the largest seen rather than a typical one."""
+    handful of reruns, the largest rather than a typical one."""
     if not pairs:
         raise PPTError("the rerun floor needs (original, rerun) final losses: train a finished run again elsewhere")
     return max(abs(original - rerun) for original, rerun in pairs)
@@ -414,9 +410,8 @@ def robustness_markdown(rows: list[Robustness]) -> str:
 
 
 def headline(rows: list[Robustness], ngram_budgets: Collection[float] = ()) -> str:
-    """Per architecture: the primary k at the largest baseline budget, its interval and its verdict under every
-    analysis, then the primary k at each budget in order. Budgets in `ngram_budgets` (where the losses compared are
-    those of n-gram counts, not of what the architecture learns) are left out of both."""
+    """Per architecture: the primary k at the largest baseline budget, its interval and verdict, then the primary k
+    at each budget in order; budgets in `ngram_budgets` (where n-gram counts explain the losses) left out."""
     lines = []
     for arch in dict.fromkeys(r.arch for r in rows):
         kept = sorted((r for r in rows if r.arch == arch and r.budget not in ngram_budgets), key=lambda r: r.budget)
@@ -437,9 +432,8 @@ def _times(k: float | None) -> str:
 
 
 def plot(result: Verdict, path: Path) -> None:
-    """Loss against comparison FLOPs, tokens and GPU-seconds (log x; the equal-compute, equal-token and equal-time
-    views): each IsoFLOP fit's points (seed means per size), each architecture's frontier through its optima, and
-    with several seeds the optima's 95% loss intervals joined as a band. A unit with no measurement is left out."""
+    """Loss against each measured unit (log x): each IsoFLOP fit's points (seed means per size), each architecture's
+    frontier through its optima, and with several seeds the optima's 95% loss intervals as a band."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state; a Figure saves through Agg
 
     units = [u for u in UNITS if all(o.at[u] is not None for o in result.optima)]

@@ -838,11 +838,9 @@ def write_results(study: Study, grid_path: Path) -> str:
     frontier.plot(verdict, out / "frontier.png")
     tables = {budget: budget_settings(study, budget) for budget in grid.budgets}
     best = {budget: {a.name: best_setting(settings, a.name) for a in grid.archs} for budget, settings in tables.items()}
-    ngram = [
-        b
-        for b, by_arch in best.items()  # budgets where an architecture's best is not clearly below the counts
-        if any(in_ngram_regime(statistics.fmean(s.final("val_bpb")), counts) for s in by_arch.values())
-    ]
+    # the budgets where an architecture's best is not clearly below the counts
+    ngram = [b for b, by_arch in best.items() if any(in_ngram_regime(statistics.fmean(s.final("val_bpb")), counts)
+                                                     for s in by_arch.values())]  # fmt: skip
     trees = {(r.git.get("commit"), r.model_source.get("sha256"), r.hardware.get("gpu")) for r in runs}
     floor = CROSS_MACHINE_FLOOR if len(trees) > 1 else 0.0
     rows = frontier.robustness(results, grid.baseline, "flops", floor)
