@@ -258,8 +258,7 @@ class SlurmLauncher:
     def wait(self, timeout: float) -> list[tuple[Job, int | None]]:
         time.sleep(max(timeout, SLURM_POLL_S))
         alive = self.alive()
-        done = [(self.running.pop(i), self._exit_status(i)) for i in list(self.running) if i not in alive]
-        if done:
+        if done := [(self.running.pop(i), self._exit_status(i)) for i in list(self.running) if i not in alive]:
             self._record()
         return done
 

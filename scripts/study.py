@@ -93,7 +93,7 @@ from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
 from ppt.run import RunRecord, git_state, hardware
 from scripts import compare, train_settings
-from scripts.launchers import Job, LocalPool, SlurmLauncher, SlurmSettings, chosen_gpus, jobs_in_flight, last_error
+from scripts.launchers import LocalPool, SlurmLauncher, SlurmSettings, chosen_gpus, jobs_in_flight, last_error
 
 # Flags the study sets itself for every run; a grid that passed them would make runs that are not what they say
 OWNED_FLAGS = ("--config", "--depth", "--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops",
@@ -191,8 +191,7 @@ def _number(path: Path, table: dict, key: str, kind: type, default: float) -> fl
 def _flags(path: Path, value: object, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
         raise _fail(path, f"{where} must be a list of strings (base_train flags), got {value!r}")
-    owned = [a for a in value if a.split("=")[0] in OWNED_FLAGS]
-    if owned:
+    if owned := [a for a in value if a.split("=")[0] in OWNED_FLAGS]:
         raise _fail(path, f"{where} sets {', '.join(owned)}, which the study sets for each run; remove them")
     return value
 
@@ -262,8 +261,8 @@ def load_grid(path: Path) -> Grid:
         raise _fail(path, "`sizes_per_budget` must be at least 3: a parabola through fewer sizes has no minimum")
     if len(grid.budgets) < 2:
         raise _fail(path, f"`budgets` has {len(grid.budgets)}: a frontier joins optima at 2 budgets or more; add one")
-    shared = [size for i, a in enumerate(archs) for b in archs[i + 1 :] for size in a.sizes if size in b.sizes]
-    if shared:  # their runs would share run directories
+    # sizes in two architectures would share run directories
+    if shared := [size for i, a in enumerate(archs) for b in archs[i + 1 :] for size in a.sizes if size in b.sizes]:
         raise _fail(path, f"[arch.*] tables share sizes {shared}: each size belongs to one architecture; an ablation "
                           "of one config through `args` needs a config name of its own in ppt/model.py")  # fmt: skip
     for arch in archs:  # what base_train's parser refuses, found now: each size, and each seed at each budget
@@ -607,23 +606,14 @@ def describe(run: Run) -> str:
     return f"{run.size} at {run.budget:.3g} FLOPs, seed {run.seed}{run.variant}, lr {run.lr:g}"
 
 
-class Progress:
-    """Off a terminal, a status line every STATUS_EVERY seconds."""
-
-    def __init__(self, study: Study, launcher: LocalPool | SlurmLauncher) -> None:
-        self.study, self.launcher = study, launcher
-        self.shown = time.time()
-
-    def status(self, running: dict[Run, Job], queued: list[Run], force: bool = False) -> None:
-        if not force and (sys.stdout.isatty() or time.time() - self.shown < STATUS_EVERY):
-            return
-        self.shown = time.time()
-        done = [r for r in self.study.finished.values() if r.finished]
-        hours = sum(r.wall_time_s / r.hardware.get("runs_per_gpu", 1) for r in done) / 3600
-        left = sum(seconds_needed(self.study, r) for r in queued)
-        print(f"status: {len(done)} runs done, {len(running)} running, {len(queued)} queued; {hours:.2f} "
-              f"{self.launcher.device}-hours so far; the queued runs need about {duration(left)} of run time by the "
-              "finished runs' speeds (their results may call for more)", flush=True)  # fmt: skip
+def status_line(study: Study, launcher: LocalPool | SlurmLauncher, running: int, queued: list[Run]) -> str:
+    """Where the study stands (printed off a terminal every STATUS_EVERY seconds)."""
+    done = [r for r in study.finished.values() if r.finished]
+    hours = sum(r.wall_time_s / r.hardware.get("runs_per_gpu", 1) for r in done) / 3600
+    left = sum(seconds_needed(study, r) for r in queued)
+    return (f"status: {len(done)} runs done, {running} running, {len(queued)} queued; {hours:.2f} {launcher.device}-"
+            f"hours so far; the queued runs need about {duration(left)} of run time by the finished runs' speeds "
+            "(their results may call for more)")  # fmt: skip
 
 
 def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float | None) -> str:
@@ -637,7 +627,7 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
     failed: dict[Run, str] = {}
     signals: list[int] = []
     handlers = {sig: signal.signal(sig, lambda signum, frame: signals.append(signum)) for sig in STOP_SIGNALS}
-    progress = Progress(study, launcher)
+    shown = time.time()
     print(f"training on {launcher.describe()}", flush=True)
     if running:
         print(f"following {len(running)} runs an earlier study left in flight: "
@@ -663,7 +653,9 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
                 continue
             if not running:
                 break
-            progress.status(running, [r for r in queued if r not in running])
+            if not sys.stdout.isatty() and time.time() - shown >= STATUS_EVERY:
+                shown = time.time()
+                print(status_line(study, launcher, len(running), [r for r in queued if r not in running]), flush=True)
             for job, code in launcher.wait(timeout=WAIT_S):
                 run = next(r for r, j in running.items() if j is job)
                 del running[run]
