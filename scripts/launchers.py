@@ -1,15 +1,14 @@
-"""Where a study's runs train. Each run is a base_train process of its own: a run that dies (out of memory, a lost
-node) takes nothing else with it, and its GPU is chosen through CUDA_VISIBLE_DEVICES before CUDA starts.
+"""Where a study's runs train, each a base_train process of its own: a run that dies (out of memory, a lost node)
+takes nothing else with it, and its GPU is chosen through CUDA_VISIBLE_DEVICES before CUDA starts.
 
-- LocalPool: K runs to each GPU of this machine (`--gpus`, `--runs-per-gpu`), or K at once on its CPU. Runs are forked
-  from a server process that imported base_train once, so a run starts in a fraction of a second instead of importing
-  torch again (seconds each, on CPU as long as a small run's training).
-- SlurmLauncher: one Slurm job per run through submitit. Slurm's warning before a time limit or a preemption makes
-  the run save and stop, and submitit requeues the job, which resumes it (`--resume auto` is in every run's flags).
+- LocalPool: K runs to each GPU of this machine (`--gpus`, `--runs-per-gpu`), or K at once on its CPU, forked from a
+  server process that imported base_train once (a run starts in a fraction of a second, not after seconds of torch).
+- SlurmLauncher: one Slurm job per run through submitit; a run saves and stops at Slurm's warning before a time limit
+  or a preemption, and submitit requeues the job, which resumes it (`--resume auto` is in every run's flags).
 
-The study decides which runs train; a launcher starts them, says which ended and with what exit status, and stops
-them. Exit statuses are base_train's: 0 finished, 2 an error line (`error: ...` in the log), 128 + SIGTERM stopped
-at a step's end with a checkpoint saved; None: the process or job vanished without one (killed, node lost).
+A launcher starts runs, says which ended with what exit status, and stops them. Exit statuses are base_train's: 0
+finished, 2 an error line (`error: ...` in the log), 128 + SIGTERM stopped with a checkpoint; None: the process or
+job vanished without one (killed, node lost).
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ class LocalPool:
     def __init__(self, gpus: list[str], runs_per_gpu: int) -> None:
         if not 1 <= runs_per_gpu <= MAX_RUNS_PER_GPU:
             raise PPTError(f"--runs-per-gpu {runs_per_gpu} is out of range; pass 1 to {MAX_RUNS_PER_GPU}")
-        self.runs_per_gpu = runs_per_gpu
+        self.gpus, self.runs_per_gpu = gpus, runs_per_gpu
         self.free: list[str | None] = [gpu for gpu in gpus for _ in range(runs_per_gpu)] or [None] * runs_per_gpu
         self.slots = len(self.free)
         self.device = "GPU" if gpus else "CPU"
@@ -130,8 +129,7 @@ class LocalPool:
         multiprocessing.forkserver.ensure_running()  # its imports now, beside the study's planning
 
     def describe(self) -> str:
-        gpus = sorted({slot for slot in self.free + [j.slot for j, _ in self.running.values()] if slot is not None})
-        where = f"GPU {','.join(gpus)}" if gpus else "the CPU"
+        where = f"GPU {','.join(sorted(self.gpus))}" if self.gpus else "the CPU"
         return f"{self.slots} slot{'s' * (self.slots > 1)}: {self.runs_per_gpu} run(s) at once on {where}"
 
     def start(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> Job:

@@ -768,13 +768,9 @@ def forecast_text(study: Study, results: list[frontier.RunResult], verdict: fron
     if len(study.grid.budgets) < FORECAST_BUDGETS:
         return []
     if not study.forecast_path.exists():
-        predicted = forecast.predict(results, study.grid.baseline, top)
-        return [
-            "### Retrodiction, not a prediction\n",
-            "No forecast was written before the top budget's runs "
-            "started; this one is fitted after them, on the same records.\n",
-            forecast.markdown(predicted, verdict),
-        ]
+        return ["### Retrodiction, not a prediction\n", "No forecast was written before the top budget's runs started; "
+                "this one is fitted after them, on the same records.\n",
+                forecast.markdown(forecast.predict(results, study.grid.baseline, top), verdict)]  # fmt: skip
     predicted, written = forecast.read(study.forecast_path)
     started = min(study.record(r).started for r in study.grid_runs() if r.budget == top)
     why = forecast.why_not_preregistered(study.forecast_path, started)
@@ -927,10 +923,8 @@ def study_main(args: argparse.Namespace) -> int:
             print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
         seconds = [seconds_needed(study, r) for r in runs]
         unknown = f"; {seconds.count(0.0)} with no estimate (nothing like them has run)" if 0.0 in seconds else ""
-        print(
-            f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} as "
-            f"the finished runs time them{unknown}"
-        )
+        print(f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} "
+              f"as the finished runs time them{unknown}")  # fmt: skip
         if study.awaiting_forecast:
             print(f"the budgets below {grid.budgets[-1]:.3g} are done: the study writes the forecast next, then "
                   "trains the top budget")  # fmt: skip
