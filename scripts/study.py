@@ -374,11 +374,9 @@ class Study:
                 "since it ran. Use another --out, or delete that run directory to rerun it"
             )
         if self.data_fingerprint not in (None, record.data["fingerprint"]):
-            raise PPTError(
-                f"{path.parent} trained on other tokens (data fingerprint {record.data['fingerprint'][:12]}) than "
-                f"{self.grid.data_dir} holds ({self.data_fingerprint[:12]}): prepare the data it used again (the "
-                "same documents and tokenizer) or use another --out"
-            )
+            raise PPTError(f"{path.parent} trained on other tokens (data fingerprint {record.data['fingerprint'][:12]})"
+                           f" than {self.grid.data_dir} holds ({self.data_fingerprint[:12]}): prepare the data it used "
+                           "again (the same documents and tokenizer) or use another --out")  # fmt: skip
         if record.final_val:
             self.finished[run] = record
         return self.finished.get(run)
