@@ -297,6 +297,5 @@ def jobs_in_flight(folder: Path) -> dict[str, str]:
         return {}
     if shutil.which("squeue") is None:
         return {}
-    out = subprocess.run(["squeue", "--noheader", "--format=%i"], capture_output=True, text=True)
-    alive = set(out.stdout.split())
+    alive = set(subprocess.run(["squeue", "--noheader", "--format=%i"], capture_output=True, text=True).stdout.split())
     return {name: job_id for name, job_id in recorded.items() if job_id in alive}
