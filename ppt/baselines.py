@@ -52,20 +52,16 @@ def largest_order(vocab_size: int) -> int:
 
 
 def val_rows(streams: list[np.ndarray], eval_tokens: int, seq_len: int, world_size: int = 1) -> np.ndarray:
-    """(R, seq_len + 1): the rows evaluate_bpb scores, in file order; a row's targets are row[1:].
-
-    `DataLoader.val_batches` gives all ranks together the split's first R rows, R = world_size * min(eval_tokens //
-    (seq_len * world_size), rows // world_size); a shard's k-th row is tokens[k*seq_len : (k+1)*seq_len + 1].
-    """
+    """(R, seq_len + 1): the rows evaluate_bpb scores, in file order; a row's targets are row[1:]. As
+    `DataLoader.val_batches` gives them to all ranks together: the split's first R = world_size * min(eval_tokens //
+    (seq_len * world_size), rows // world_size) rows, a shard's k-th row tokens[k*seq_len : (k+1)*seq_len + 1]."""
     if seq_len < 1 or world_size < 1:
         raise PPTError(f"seq_len and world_size must be positive, got {seq_len} and {world_size}")
     rows_per_shard = [(s.size - 1) // seq_len for s in streams]
     rows = world_size * min(eval_tokens // (seq_len * world_size), sum(rows_per_shard) // world_size)
     if rows == 0:
-        raise PPTError(
-            f"a val budget of {eval_tokens} tokens holds no row of {seq_len} tokens per rank ({world_size} ranks) "
-            "in this val split; raise the budget or lower seq_len"
-        )
+        raise PPTError(f"a val budget of {eval_tokens} tokens holds no row of {seq_len} tokens per rank ({world_size} "
+                       "ranks) in this val split; raise the budget or lower seq_len")  # fmt: skip
     parts = []
     for stream, shard_rows in zip(streams, rows_per_shard):
         take = min(shard_rows, rows)
@@ -105,8 +101,7 @@ def discounts(counts: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Level:
-    """One order of the interpolation: each n-gram's discounted share of its context, and each context's backoff
-    weight g(h)."""
+    """One order of the interpolation: each n-gram's discounted share of its context, each context's weight g(h)."""
 
     grams: np.ndarray  # sorted n-gram codes
     share: np.ndarray  # (a(hw) - D(a(hw))) / a(h.)
@@ -142,10 +137,8 @@ class KneserNey:
 
     def __init__(self, streams: list[np.ndarray], vocab_size: int, eot_id: int, max_order: int = 4) -> None:
         if not 1 <= max_order <= largest_order(vocab_size):
-            raise PPTError(
-                f"max_order must be 1 to {largest_order(vocab_size)} (the longest n-gram of a {vocab_size}-token "
-                f"vocabulary whose code fits 64 bits), got {max_order}"
-            )
+            raise PPTError(f"max_order must be 1 to {largest_order(vocab_size)} (the longest n-gram of a {vocab_size}-"
+                           f"token vocabulary whose code fits 64 bits), got {max_order}")  # fmt: skip
         self.vocab_size, self.eot_id, self.max_order = vocab_size, eot_id, max_order
         lengths = [context_lengths(s[None], eot_id) for s in streams]
         orders = [ngram_codes(s[None], vocab_size, max_order) for s in streams]
@@ -164,8 +157,7 @@ class KneserNey:
                 self.lower.append(Level.count(grams, adjusted, vocab_size))
 
     def probabilities(self, rows: np.ndarray) -> np.ndarray:
-        """(max_order, R, T): P(target) of each target rows[:, 1:] of rows (R, T+1) under the models of order 1 ..
-        max_order."""
+        """(max_order, R, T): P(target) of each target rows[:, 1:] of rows (R, T+1) under each order's model."""
         lengths = context_lengths(rows, self.eot_id)
         below = np.full(lengths.shape, 1 / self.vocab_size)  # P(w | h') of the lower-order chain
         models = []
@@ -180,12 +172,9 @@ class KneserNey:
 def ngram_bpb(
     data_dir: str | Path, eval_tokens: int, seq_len: int, world_size: int = 1, max_order: int = 4
 ) -> dict[str, float | int | str]:
-    """bpb of Kneser-Ney models of orders 1 .. max_order (train-split counts) on the val targets of a run with this
-    eval budget and seq_len; orders whose n-gram codes outgrow 64 bits are left out (order 4 fits V <= 65536).
-
-    Returns `unigram`, `bigram`, `trigram`, `4gram` ... (bpb), `best` (the name of the lowest), and `tokens`,
-    `bytes`: the targets scored and their bytes, as evaluate_bpb reports them for the same run.
-    """
+    """bpb of Kneser-Ney models of orders 1 .. max_order (train-split counts; orders whose codes outgrow 64 bits are
+    left out) on the val targets of a run with this eval budget and seq_len: `unigram`, `bigram`, ... , `best` (the
+    name of the lowest), and `tokens`, `bytes` (the targets scored and their bytes, as evaluate_bpb reports them)."""
     tokenizer = load_data_tokenizer(data_dir)
 
     def streams(split: str) -> list[np.ndarray]:
@@ -212,8 +201,6 @@ def in_ngram_regime(bpb: float, counts: Mapping[str, float | int | str], margin:
     """Whether `bpb` is not clearly below the best count model of `counts` (ngram_bpb's result): above its bpb less
     `margin` (NGRAM_MARGIN says why 0.02)."""
     if margin < 0 or "best" not in counts:
-        raise PPTError(
-            f"in_ngram_regime needs ngram_bpb's result and a margin of at least 0, got keys {sorted(counts)} and "
-            f"margin {margin}"
-        )
+        raise PPTError(f"in_ngram_regime needs ngram_bpb's result and a margin of at least 0, got keys "
+                       f"{sorted(counts)} and margin {margin}")  # fmt: skip
     return bpb > counts[counts["best"]] - margin

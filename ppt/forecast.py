@@ -1,28 +1,23 @@
 """Predicted before measured: each architecture's frontier as a saturating power law fit on a study's smaller
 budgets, read at the next budget, and the prediction recorded before the runs that measure it start.
 
-1. Frontier points: ppt.frontier's IsoFLOP optima (loss* at the realized comparison FLOPs of each optimum) at every
-   budget below the one predicted.
+1. Frontier points: ppt.frontier's IsoFLOP optima (loss* at the realized comparison FLOPs) at the budgets below.
 2. The law L(C) = E + A C^-alpha per architecture, least squares in L with E profiled: for each E in [0, min L) the
-   line ln(L - E) = ln A - alpha ln C by least squares; E is the one whose law leaves the smallest squared error in
-   L. Three budgets determine the law (it passes through them where a law of this form can; nothing is left to test
-   the form); two do not (every E fits), so with two E is fixed at 0: a pure power law, the lowest of the exact fits'
-   predictions (any E > 0 predicts a higher loss). A fitted E at its bound 0 means the points fall faster than any
-   saturating law allows (flagged).
-3. At budget C: each architecture's L(C), and each other architecture's multiplier k against the baseline as
-   ppt.frontier defines it: the compute at which its law reaches the baseline's predicted loss, over C. (Not the trend
-   of the measured k in ln C: ppt.frontier's k is biased where it is read off a straight segment of a convex frontier,
-   by an amount that changes with the budget, so that trend drifts off k on a known law.)
-4. Intervals: ppt.frontier's leave-one-seed-out jackknife (its step 4): optima, laws and predictions redone with each
-   seed left out of every architecture alike, t(n - 1) quantiles, on ln k for multipliers. Not the fit's own
-   covariance: with 2-3 budgets it has no residual degrees of freedom; and the jackknife is how the measured k's
-   interval is made, so the two compare like for like. It holds seed noise only, not the error of the law's form,
-   which only the measurement at C shows.
-5. Pre-registration: `write` records the forecast as JSON with the time it was written and the sha256 of both; it
+   least-squares line ln(L - E) = ln A - alpha ln C; E is the one leaving the smallest squared error in L. Three
+   budgets determine the law (nothing is left to test its form); two do not (every E fits), so there E is 0: a pure
+   power law, the lowest prediction of the exact fits. A fitted E at its bound 0 means the points fall faster than
+   any saturating law allows (flagged).
+3. At budget C: each architecture's L(C), and each other architecture's multiplier k as ppt.frontier defines it: the
+   compute at which its law reaches the baseline's predicted loss, over C. (Not the trend of the measured k in ln C:
+   the measured k's bias on a convex frontier changes with the budget, so that trend drifts off k on a known law.)
+4. Intervals: ppt.frontier's leave-one-seed-out jackknife (its step 4), on ln k for multipliers; not the fit's
+   covariance, which with 2-3 budgets has no residual degrees of freedom. They hold seed noise only, not the error of
+   the law's form, which only the measurement at C shows.
+5. Pre-registration: `write` records the forecast as JSON with the time it was written and the sha256 of both, and
    never replaces a file. `why_not_preregistered` names why a file cannot count as written before the top runs
-   started: its content changed since it was written, or it was written or modified after they started. Keep it
-   beside the runs (a tar keeps its modification time, a git checkout does not). A time written by the same hand
-   proves nothing against forgery: the commit adding the file, pushed before the runs, is the public record.
+   started: its content changed, or it was written or modified after they started. Keep it beside the runs (a tar
+   keeps its modification time, a git checkout does not); against forgery, only the commit adding the file, pushed
+   before the runs, is a public record.
 """
 
 from __future__ import annotations

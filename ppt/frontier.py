@@ -1,53 +1,41 @@
 """The architecture verdict: IsoFLOP frontiers and the compute multiplier between architectures, with paired
 jackknife intervals over seeds (Hoffmann et al. 2022, "Chinchilla", approach 2); and the paired t interval.
 
-The method, step by step (`verdict` does steps 1-4, `robustness` steps 5 and 6):
+The method (`verdict` does steps 1-4, `robustness` steps 5 and 6):
 
-1. IsoFLOP optimum, per (architecture, budget). Each size's loss is averaged over seeds; the parabola
-   loss = c0 + c1 u + c2 u^2 in u = ln(size) is fit to those means by least squares (3 sizes or more); the optimum
-   is its vertex u* = -c1 / (2 c2), loss* = the parabola there. Flags: "unbracketed" when u* lies outside the sizes
-   tried (the vertex is still used, but it is an extrapolation: train a size beyond it); "opens downward" when
-   c2 <= 0 (no minimum: the best observed size and its mean loss are used instead). The optimum's position in
-   realized comparison FLOPs, tokens and GPU-seconds: ln x fit as a line in u over that budget's sizes (seed means
-   of ln x), read at u*.
-2. Frontier, per architecture and unit x (FLOPs, tokens, seconds): the optima, as points (ln x*, loss*) in order of
-   x, joined by straight lines. Piecewise linear rather than a power law L = a x^b: it passes through every measured
-   optimum and assumes no form between budgets, where a power law with few budgets and no irreducible-loss term
-   bends the frontier by its form, not by the data.
-3. Compute multiplier of architecture B against baseline A at each of A's budgets C, per unit x:
-   k = x_B(loss*_A(C)) / x*_A(C), where x_B(L) is the smallest x at which B's frontier reaches loss L.
-   "B reaches A's frontier loss at k times A's compute" (k < 1: B is cheaper); in tokens it is the equal-token view,
-   in seconds the equal-time view. A loss outside B's frontier is reached by extending B's first or last segment,
-   flagged "extrapolated"; when that segment does not fall there is no crossing and k is None. A k read on a segment
-   whose end is a flagged optimum of B carries that flag ("through 1e+15's unbracketed optimum"). On a frontier convex
-   in ln x (as loss = E + A / x^a is) an extended first segment lies below the true frontier, so an extrapolated
-   k < 1 there is too small: 0.57 for a true 0.6 on tests/test_frontier.py's Chinchilla-law study.
-4. Intervals: the jackknife over seeds. Steps 1-3 are redone n times, each with one seed left out of every
-   architecture's runs alike (seed i sets the data order and the initialization of every architecture, so the design
-   is paired and an offset a seed gives all runs cancels in k). With v = ln k, ln size* or loss*, and v_i its value
-   without seed i, the standard error is sqrt((n-1)/n * sum (v_i - mean v_i)^2) and the 95% interval is
-   v -+ t(n-1, 0.975) se (for k and size* a ratio either side). For a v linear in the seed means that is exactly the
-   t interval of the per-seed values; it takes n fits and no RNG. One seed: no intervals; a k with no crossing (or not
-   finite) in a leave-one-out fit: none, flagged. Simulations against the alternatives are in docs/results.md ("How the
-   verdict's intervals were checked"): at 3-5 seeds this interval held the true k 94-95% of the time, the percentile
-   bootstrap's 72-83%.
-5. Robustness: other reasonable analyses of the same runs (`ANALYSES`, `robustness`), each with its own interval, and
-   a verdict "cheaper" or "dearer" only where every one's interval excludes 1 on that side, else "not clear". The
-   alternatives: (a) the best observed size (lowest seed-mean loss) and its runs' mean position instead of the
-   vertex; (b) each seed fitted alone, k the geometric mean of the seeds' k, the 95% t interval over their ln k;
-   (c) a frontier quadratic in ln x through an architecture's optima (3 budgets or more; else n/a); (d) every run at
-   its budget's nominal FLOPs instead of its realized comparison FLOPs. The primary analysis, steps 1-4, was fixed
-   before the study of docs/results.md began training, for these reasons: the vertex uses every size, where the best
-   observed size moves in steps of the grid's spacing (on tests/test_frontier.py's Chinchilla-law study, sizes e^0.5
-   apart, it reads k in tokens as 0.77 for a true 0.6); pooling the seeds before fitting keeps each parabola's noise
-   low (one seed's parabola through 3 noisy points can wander or open downward); a piecewise-linear frontier assumes
-   no form between budgets (step 2); realized FLOPs are what each run spent.
-6. Rerun floor: the same run trained again on another GPU or commit ends up to δ bpb away (`rerun_floor`). A study
-   whose architectures ran on different hardware or code may carry that between them, so each k interval can be
-   widened to the envelope of the intervals with every other architecture's losses shifted by -δ, 0 and +δ against
-   the baseline's (`widened_multipliers`). To first order a shift δ moves ln k by δ / |s|, s the slope of the other
-   architecture's frontier in ln x where k is read: on a frontier falling 0.1 bpb per e-fold of compute, δ = 0.003
-   widens k by a factor e^0.03 either side.
+1. IsoFLOP optimum, per (architecture, budget): the least-squares parabola loss = c0 + c1 u + c2 u^2 in u = ln(size)
+   through each size's seed-mean loss (3 sizes or more); the optimum is its vertex u* = -c1 / (2 c2). Flags:
+   "unbracketed" when u* lies outside the sizes tried (still used: an extrapolation, train a size beyond it); "opens
+   downward" when c2 <= 0 (no minimum: the best observed size and its mean loss instead). Its position in realized
+   comparison FLOPs, tokens and GPU-seconds: ln x (seed means) fit as a line in u over the budget's sizes, read at u*.
+2. Frontier, per architecture and unit x: the optima (ln x*, loss*) in order of x, joined by straight lines. Not a
+   power law L = a x^b: it passes through every optimum and assumes no form between budgets, where a power law with
+   few budgets and no irreducible-loss term bends the frontier by its form, not by the data.
+3. Compute multiplier of B against baseline A at each of A's budgets C, per unit: k = x_B(loss*_A(C)) / x*_A(C),
+   x_B(L) the smallest x at which B's frontier reaches L (k < 1: B is cheaper; in tokens the equal-token view, in
+   seconds the equal-time view). A loss outside B's frontier extends its first or last segment, flagged
+   "extrapolated"; a segment that does not fall gives no crossing (k None). A k read on a segment ending at a flagged
+   optimum of B carries that flag. On a frontier convex in ln x (as E + A / x^a is) an extended first segment lies
+   below the true one, so an extrapolated k < 1 is too small: 0.57 for a true 0.6 on tests/test_frontier.py's
+   Chinchilla-law study.
+4. Intervals: the jackknife over seeds. Steps 1-3 are redone with each seed left out of every architecture alike (seed
+   i sets every architecture's data order and initialization: the design is paired, and a seed's offset cancels in
+   k). With v = ln k, ln size* or loss*, and v_i its value without seed i, se = sqrt((n-1)/n * sum (v_i - mean v_i)^2)
+   and the interval is v -+ t(n-1, 0.975) se: for a v linear in the seed means exactly the t interval of the per-seed
+   values, with no RNG. One seed: no intervals; a leave-one-out fit with no crossing: none, flagged. In simulations at
+   3-5 seeds it held the true k 94-95% of the time, the percentile bootstrap 72-83% (docs/results.md, "How the
+   verdict's intervals were checked").
+5. Robustness: other reasonable analyses of the same runs (`ANALYSES`), each with its own interval; "cheaper" or
+   "dearer" only where every interval excludes 1 on that side, else "not clear". (a) the best observed size and its
+   runs' mean position instead of the vertex; (b) each seed fitted alone, k the geometric mean, the t interval over
+   ln k; (c) a frontier quadratic in ln x (3 budgets or more, else n/a); (d) nominal FLOPs instead of realized. The
+   primary analysis was fixed before docs/results.md's study trained: the vertex uses every size, where the best
+   observed size moves in steps of the grid (in tokens 0.77 for a true 0.6 on the Chinchilla-law study, sizes e^0.5
+   apart); pooled seeds keep each parabola's noise low; step 2's frontier assumes no form; realized FLOPs are spent.
+6. Rerun floor: a run trained again on another GPU or commit ends up to δ bpb away (`rerun_floor`). Where the
+   architectures ran on different hardware or code, each k interval widens to the envelope of the intervals with the
+   other architecture's losses shifted by -δ, 0 and +δ (`widened_multipliers`): to first order ln k moves by δ / |s|,
+   s the frontier's slope in ln x (0.1 bpb per e-fold and δ = 0.003: a factor e^0.03 either side).
 """
 
 from __future__ import annotations
@@ -86,9 +74,8 @@ ANALYSES = {
 
 @dataclass(frozen=True)
 class RunResult:
-    """One finished run. `size`: the parameter count the caller compares by (non-embedding or total, one kind for
-    all runs); `loss`: final val bits-per-byte; `flops`: realized comparison FLOPs; `seconds`: GPU-seconds of the run
-    measured alone on the GPU (or tokens / throughput), None when not measured."""
+    """One finished run. `size`: parameters (one kind for all runs); `loss`: final val bpb; `flops`: realized
+    comparison FLOPs; `seconds`: GPU-seconds measured alone on the GPU, None when not measured."""
 
     arch: str
     budget: float
@@ -199,8 +186,7 @@ def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, 
 @dataclass
 class Robustness:
     """k of `arch` against the baseline at its `budget` in `unit` under each of ANALYSES (None: n/a), intervals
-    widened by the rerun `floor`, and the verdict: "cheaper" or "dearer" where every interval excludes 1 on that
-    side, else "not clear"."""
+    widened by the rerun `floor`, and the verdict (step 5)."""
 
     arch: str
     budget: float
@@ -215,8 +201,7 @@ class Robustness:
 
 
 def robustness(runs: Sequence[RunResult], baseline: str, unit: str = "flops", floor: float = 0.0) -> list[Robustness]:
-    """Step 5, and step 6 with a floor: every analysis of ANALYSES at each of the baseline's budgets in `unit`; the
-    quadratic frontier n/a where an architecture has fewer than 3 budgets."""
+    """Step 5, and step 6 with a floor: every analysis of ANALYSES at each of the baseline's budgets in `unit`."""
     few_budgets = any(len({r.budget for r in runs if r.arch == arch}) < 3 for arch in {r.arch for r in runs})
     found = {name: {} if analysis.quadratic_frontier and few_budgets else
              {(m.arch, m.budget): m for m in widened_multipliers(runs, baseline, analysis, floor) if m.unit == unit}
@@ -232,8 +217,7 @@ def robustness(runs: Sequence[RunResult], baseline: str, unit: str = "flops", fl
 
 
 def widened_multipliers(runs: Sequence[RunResult], baseline: str, analysis: Analysis, floor: float) -> list[Multiplier]:
-    """verdict(runs, baseline, analysis)'s multipliers, each interval widened by the rerun floor (step 6): to the
-    envelope of the intervals with every other architecture's losses shifted by -floor, 0 and +floor."""
+    """verdict(runs, baseline, analysis)'s multipliers, each interval widened by the rerun floor (step 6)."""
     result = verdict(runs, baseline, analysis).multipliers
     for shift in (-floor, floor) if floor else ():
         shifted = [run if run.arch == baseline else replace(run, loss=run.loss + shift) for run in runs]
@@ -248,7 +232,7 @@ def widened_multipliers(runs: Sequence[RunResult], baseline: str, analysis: Anal
 
 def rerun_floor(pairs: Sequence[tuple[float, float]]) -> float:
     """The largest |original - rerun| final loss of runs trained again on other hardware or code (step 6): with a
-    handful of reruns, the largest seen rather than a typical one."""
+    handful of reruns, the largest rather than a typical one."""
     if not pairs:
         raise PPTError("the rerun floor needs (original, rerun) final losses: train a finished run again elsewhere")
     return max(abs(original - rerun) for original, rerun in pairs)
@@ -426,9 +410,8 @@ def robustness_markdown(rows: list[Robustness]) -> str:
 
 
 def headline(rows: list[Robustness], ngram_budgets: Collection[float] = ()) -> str:
-    """Per architecture: the primary k at the largest baseline budget, its interval and its verdict under every
-    analysis, then the primary k at each budget in order. Budgets in `ngram_budgets` (where the losses compared are
-    those of n-gram counts, not of what the architecture learns) are left out of both."""
+    """Per architecture: the primary k at the largest baseline budget, its interval and verdict, then the primary k
+    at each budget in order; budgets in `ngram_budgets` (where n-gram counts explain the losses) left out."""
     lines = []
     for arch in dict.fromkeys(r.arch for r in rows):
         kept = sorted((r for r in rows if r.arch == arch and r.budget not in ngram_budgets), key=lambda r: r.budget)
@@ -449,9 +432,8 @@ def _times(k: float | None) -> str:
 
 
 def plot(result: Verdict, path: Path) -> None:
-    """Loss against comparison FLOPs, tokens and GPU-seconds (log x; the equal-compute, equal-token and equal-time
-    views): each IsoFLOP fit's points (seed means per size), each architecture's frontier through its optima, and
-    with several seeds the optima's 95% loss intervals joined as a band. A unit with no measurement is left out."""
+    """Loss against each measured unit (log x): each IsoFLOP fit's points (seed means per size), each architecture's
+    frontier through its optima, and with several seeds the optima's 95% loss intervals as a band."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state; a Figure saves through Agg
 
     units = [u for u in UNITS if all(o.at[u] is not None for o in result.optima)]

@@ -1,15 +1,14 @@
-"""Where a study's runs train. Each run is a base_train process of its own: a run that dies (out of memory, a lost
-node) takes nothing else with it, and its GPU is chosen through CUDA_VISIBLE_DEVICES before CUDA starts.
+"""Where a study's runs train, each a base_train process of its own: a run that dies (out of memory, a lost node)
+takes nothing else with it, and its GPU is chosen through CUDA_VISIBLE_DEVICES before CUDA starts.
 
-- LocalPool: K runs to each GPU of this machine (`--gpus`, `--runs-per-gpu`), or K at once on its CPU. Runs are forked
-  from a server process that imported base_train once, so a run starts in a fraction of a second instead of importing
-  torch again (seconds each, on CPU as long as a small run's training).
-- SlurmLauncher: one Slurm job per run through submitit. Slurm's warning before a time limit or a preemption makes
-  the run save and stop, and submitit requeues the job, which resumes it (`--resume auto` is in every run's flags).
+- LocalPool: K runs to each GPU of this machine (`--gpus`, `--runs-per-gpu`), or K at once on its CPU, forked from a
+  server process that imported base_train once (a run starts in a fraction of a second, not after seconds of torch).
+- SlurmLauncher: one Slurm job per run through submitit; a run saves and stops at Slurm's warning before a time limit
+  or a preemption, and submitit requeues the job, which resumes it (`--resume auto` is in every run's flags).
 
-The study decides which runs train; a launcher starts them, says which ended and with what exit status, and stops
-them. Exit statuses are base_train's: 0 finished, 2 an error line (`error: ...` in the log), 128 + SIGTERM stopped
-at a step's end with a checkpoint saved; None: the process or job vanished without one (killed, node lost).
+A launcher starts runs, says which ended with what exit status, and stops them. Exit statuses are base_train's: 0
+finished, 2 an error line (`error: ...` in the log), 128 + SIGTERM stopped with a checkpoint; None: the process or
+job vanished without one (killed, node lost).
 """
 
 from __future__ import annotations
@@ -67,18 +66,14 @@ def last_error(log: Path) -> str:
 # The local pool
 
 
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them for a child (its own list, if set)."""
+def chosen_gpus(choice: str) -> list[str]:
+    """--gpus: 'all' (every visible GPU; none on a machine without one) or ids 0,1,3 of the visible GPUs, each as
+    CUDA_VISIBLE_DEVICES names it for a child (this process's own list, if set)."""
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return listed.split(",")[:count] if listed else [str(i) for i in range(count)]
-
-
-def chosen_gpus(choice: str) -> list[str]:
-    """--gpus: 'all' (every visible GPU; none on a machine without one) or ids 0,1,3 of the visible GPUs."""
-    visible = visible_gpus()
+    visible = listed.split(",")[:count] if listed else [str(i) for i in range(count)]
     if choice == "all":
         return visible
     try:
@@ -124,7 +119,7 @@ class LocalPool:
     def __init__(self, gpus: list[str], runs_per_gpu: int) -> None:
         if not 1 <= runs_per_gpu <= MAX_RUNS_PER_GPU:
             raise PPTError(f"--runs-per-gpu {runs_per_gpu} is out of range; pass 1 to {MAX_RUNS_PER_GPU}")
-        self.runs_per_gpu = runs_per_gpu
+        self.gpus, self.runs_per_gpu = gpus, runs_per_gpu
         self.free: list[str | None] = [gpu for gpu in gpus for _ in range(runs_per_gpu)] or [None] * runs_per_gpu
         self.slots = len(self.free)
         self.device = "GPU" if gpus else "CPU"
@@ -134,8 +129,7 @@ class LocalPool:
         multiprocessing.forkserver.ensure_running()  # its imports now, beside the study's planning
 
     def describe(self) -> str:
-        gpus = sorted({slot for slot in self.free + [j.slot for j, _ in self.running.values()] if slot is not None})
-        where = f"GPU {','.join(gpus)}" if gpus else "the CPU"
+        where = f"GPU {','.join(sorted(self.gpus))}" if self.gpus else "the CPU"
         return f"{self.slots} slot{'s' * (self.slots > 1)}: {self.runs_per_gpu} run(s) at once on {where}"
 
     def start(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> Job:
@@ -153,16 +147,15 @@ class LocalPool:
 
     def wait(self, timeout: float) -> list[tuple[Job, int | None]]:
         """The runs that ended within `timeout` seconds (returns as soon as one has), with their exit statuses."""
-        ended = multiprocessing.connection.wait(list(self.running), timeout) if self.running else []
         if not self.running:
             time.sleep(timeout)
+            return []
         done = []
-        for sentinel in ended:
+        for sentinel in multiprocessing.connection.wait(list(self.running), timeout):
             job, process = self.running.pop(sentinel)
             process.join()
             self.free.append(job.slot)
-            code = process.exitcode
-            done.append((job, None if code is None or code < 0 else code))  # < 0: killed by a signal
+            done.append((job, None if process.exitcode < 0 else process.exitcode))  # < 0: killed by a signal
         return done
 
     def stop(self, job: Job) -> None:
@@ -217,10 +210,8 @@ class SlurmLauncher:
         self.folder, self.settings = folder, settings
         self.jobs_file = folder / "jobs.json"
         self.executor = submitit.SlurmExecutor(folder=folder / "%j")
-        extra = {}
-        for flag in settings.sbatch:
-            key, _, value = flag.removeprefix("--").partition("=")
-            extra[key.replace("-", "_")] = value or True
+        flags = (flag.removeprefix("--").partition("=") for flag in settings.sbatch)
+        extra = {key.replace("-", "_"): value or True for key, _, value in flags}
         gpus = {"gpus_per_node": settings.gpus_per_run} if settings.gpus_per_run else {}
         self.executor.update_parameters(
             time=settings.time_min, partition=settings.partition, account=settings.account,
@@ -265,8 +256,7 @@ class SlurmLauncher:
     def wait(self, timeout: float) -> list[tuple[Job, int | None]]:
         time.sleep(max(timeout, SLURM_POLL_S))
         alive = self.alive()
-        done = [(self.running.pop(i), self._exit_status(i)) for i in list(self.running) if i not in alive]
-        if done:
+        if done := [(self.running.pop(i), self._exit_status(i)) for i in list(self.running) if i not in alive]:
             self._record()
         return done
 
@@ -286,10 +276,7 @@ class SlurmLauncher:
 
     def adopt(self, runs: dict[str, Path]) -> list[Job]:
         """The jobs an earlier study submitted that Slurm still has: followed, not submitted again."""
-        try:
-            recorded = json.loads(self.jobs_file.read_text())
-        except FileNotFoundError:
-            recorded = {}
+        recorded = json.loads(self.jobs_file.read_text()) if self.jobs_file.is_file() else {}
         alive = self.alive()
         for name, job_id in recorded.items():
             if job_id in alive and name in runs:
@@ -310,6 +297,5 @@ def jobs_in_flight(folder: Path) -> dict[str, str]:
         return {}
     if shutil.which("squeue") is None:
         return {}
-    out = subprocess.run(["squeue", "--noheader", "--format=%i"], capture_output=True, text=True)
-    alive = set(out.stdout.split())
+    alive = set(subprocess.run(["squeue", "--noheader", "--format=%i"], capture_output=True, text=True).stdout.split())
     return {name: job_id for name, job_id in recorded.items() if job_id in alive}

@@ -8,6 +8,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -19,15 +20,18 @@ def run_env(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+@dataclass
 class SlurmRun:
     """base_train as a child process that ignores the warning signal Slurm sends before a time limit or a preemption
     (submitit's, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise). submitit catches it and calls `checkpoint`,
     which lets the run end its step and save, then requeues the job with this same run, which resumes from that
     checkpoint (`--resume auto` is in every study run's flags). Returns base_train's exit status."""
 
-    def __init__(self, argv: list[str], log: str, cwd: str, env: dict[str, str]) -> None:
-        self.argv, self.log, self.cwd, self.env = argv, log, cwd, env
-        self.process: subprocess.Popen | None = None
+    argv: list[str]
+    log: str
+    cwd: str
+    env: dict[str, str]
+    process: subprocess.Popen | None = None
 
     def __call__(self) -> int:
         warning = signal.Signals[f"SIG{os.environ.get('SUBMITIT_PREEMPT_SIGNAL', 'USR2')}"]
@@ -45,7 +49,7 @@ class SlurmRun:
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)  # base_train ends its step and saves
             self.process.wait()
-        return submitit.helpers.DelayedSubmission(SlurmRun(self.argv, self.log, self.cwd, self.env))
+        return submitit.helpers.DelayedSubmission(replace(self, process=None))
 
     def __getstate__(self) -> dict:
         return self.__dict__ | {"process": None}

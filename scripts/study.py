@@ -71,7 +71,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -93,7 +93,7 @@ from ppt.formatting import duration
 from ppt.locks import lock_directory, release_locks
 from ppt.run import RunRecord, git_state, hardware
 from scripts import compare, train_settings
-from scripts.launchers import Job, LocalPool, SlurmLauncher, SlurmSettings, chosen_gpus, jobs_in_flight, last_error
+from scripts.launchers import LocalPool, SlurmLauncher, SlurmSettings, chosen_gpus, jobs_in_flight, last_error
 
 # Flags the study sets itself for every run; a grid that passed them would make runs that are not what they say
 OWNED_FLAGS = ("--config", "--depth", "--data-dir", "--data-seed", "--model-seed", "--seed", "--lr", "--target-flops",
@@ -191,14 +191,12 @@ def _number(path: Path, table: dict, key: str, kind: type, default: float) -> fl
 def _flags(path: Path, value: object, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
         raise _fail(path, f"{where} must be a list of strings (base_train flags), got {value!r}")
-    owned = [a for a in value if a.split("=")[0] in OWNED_FLAGS]
-    if owned:
+    if owned := [a for a in value if a.split("=")[0] in OWNED_FLAGS]:
         raise _fail(path, f"{where} sets {', '.join(owned)}, which the study sets for each run; remove them")
     return value
 
 
 def _slurm_settings(path: Path, table: object) -> SlurmSettings:
-    """The grid's [slurm] table: partition, time_min, gpus_per_run, cpus_per_run, account, sbatch (a list of flags)."""
     if not isinstance(table, dict) or set(table) - set(SLURM_FLAGS):
         raise _fail(path, f"[slurm] takes {', '.join(SLURM_FLAGS)}, got {table!r}")
     kinds = {"partition": str, "account": str, "time_min": int, "gpus_per_run": int, "cpus_per_run": int}
@@ -263,8 +261,8 @@ def load_grid(path: Path) -> Grid:
         raise _fail(path, "`sizes_per_budget` must be at least 3: a parabola through fewer sizes has no minimum")
     if len(grid.budgets) < 2:
         raise _fail(path, f"`budgets` has {len(grid.budgets)}: a frontier joins optima at 2 budgets or more; add one")
-    shared = [size for i, a in enumerate(archs) for b in archs[i + 1 :] for size in a.sizes if size in b.sizes]
-    if shared:  # their runs would share run directories
+    # sizes in two architectures would share run directories
+    if shared := [size for i, a in enumerate(archs) for b in archs[i + 1 :] for size in a.sizes if size in b.sizes]:
         raise _fail(path, f"[arch.*] tables share sizes {shared}: each size belongs to one architecture; an ablation "
                           "of one config through `args` needs a config name of its own in ppt/model.py")  # fmt: skip
     for arch in archs:  # what base_train's parser refuses, found now: each size, and each seed at each budget
@@ -280,22 +278,15 @@ def _round(lr: float) -> float:
     return float(f"{lr:.3g}")
 
 
-class _Refused(Exception):
-    pass
-
-
 def _check_argv(path: Path, grid: Grid, run: Run) -> None:
     """Parse a run's flags as base_train will, so a value it refuses stops the study before any run starts."""
     parser = train_settings.build_parser()
 
-    def refuse(message: str) -> None:
-        raise _Refused(message)
+    def refuse(message: str) -> NoReturn:
+        raise _fail(path, f"base_train refuses run {run.name}: {message}; fix `args` or [arch.{run.arch}]") from None
 
     parser.error = refuse
-    try:
-        parser.parse_args(Study(grid, Path("out"), deterministic=True).argv(run))
-    except _Refused as exc:
-        raise _fail(path, f"base_train refuses run {run.name}: {exc}; fix `args` or [arch.{run.arch}]") from None
+    parser.parse_args(Study(grid, Path("out"), deterministic=True).argv(run))
 
 
 # Flags that say where a run's files are and how its kernels launch, not what it computes: a study may change them
@@ -352,16 +343,14 @@ class Study:
                            "study (without --report) with its data once") from None  # fmt: skip
 
     def baselines(self, record: RunRecord) -> dict[str, Any]:
-        """The count baselines on the val targets `record`'s final evaluation scored: kept in study.json, so that
-        the results can be written again from the records alone."""
+        """The count baselines on the val targets `record`'s final evaluation scored (kept in study.json)."""
         key = f"{record.train.eval_tokens} {record.train.seq_len} {record.train.world_size}"
         if key not in self.decisions["baselines"]:
             self.decisions["baselines"][key] = ngram_bpb(self.grid.data_dir, *map(int, key.split()))
         return self.decisions["baselines"][key]
 
     def cell_order(self, key: str) -> tuple:
-        """Where a decision's key ("arch size", "arch size at budget", "arch size budget") sorts: the grid's order
-        of architectures and sizes, then budget (not the order the runs that decided it finished in)."""
+        """Where a decision's key ("arch size", "arch size at budget", "arch size budget") sorts: grid order, budget."""
         arch, size, *budget = key.replace(" at ", " ").split()
         return [a.name for a in self.grid.archs].index(arch), self.archs[arch].sizes.index(size), [*map(float, budget)]
 
@@ -385,11 +374,9 @@ class Study:
                 "since it ran. Use another --out, or delete that run directory to rerun it"
             )
         if self.data_fingerprint not in (None, record.data["fingerprint"]):
-            raise PPTError(
-                f"{path.parent} trained on other tokens (data fingerprint {record.data['fingerprint'][:12]}) than "
-                f"{self.grid.data_dir} holds ({self.data_fingerprint[:12]}): prepare the data it used again (the "
-                "same documents and tokenizer) or use another --out"
-            )
+            raise PPTError(f"{path.parent} trained on other tokens (data fingerprint {record.data['fingerprint'][:12]})"
+                           f" than {self.grid.data_dir} holds ({self.data_fingerprint[:12]}): prepare the data it used "
+                           "again (the same documents and tokenizer) or use another --out")  # fmt: skip
         if record.final_val:
             self.finished[run] = record
         return self.finished.get(run)
@@ -427,15 +414,14 @@ class Study:
         return list(dict.fromkeys(r for r in todo if self.loss(r) is None))
 
     def holds_top_budget(self) -> bool:
-        """Whether the top budget waits for its forecast: a grid of FORECAST_BUDGETS budgets or more whose
-        forecast is not written and none of whose top-budget runs has started (then it can only be a retrodiction)."""
+        """Whether the top budget waits for its forecast: not written yet, and none of its runs started (after that
+        it could only be a retrodiction)."""
         top = f"-f{self.grid.budgets[-1]:.3g}-"
         started = any(top in path.name for path in (self.out / "runs").glob("*"))
         return len(self.grid.budgets) >= FORECAST_BUDGETS and not self.forecast_path.exists() and not started
 
     def sizes_at(self, arch: Arch, budget: float) -> tuple[list[str], list[Run]]:
-        """The sizes trained at a budget and the runs still needed to decide them: the prior's neighbourhood, then
-        one size further while the best trained so far is at an end (and the list goes on)."""
+        """The sizes trained at a budget (module docstring, "Sizes") and the runs still needed to decide them."""
         sizes = self.prior_sizes(arch, budget)
         while True:
             waiting, means = [], {}
@@ -458,8 +444,6 @@ class Study:
                 return sizes, []
 
     def allowed_sizes(self, arch: Arch, budget: float) -> list[str]:
-        """The sizes a run at this budget can train: at most max_epochs of the train split, and at least the tokens
-        base_train needs (one step, and the warmup if the grid sets one)."""
         return [s for s in arch.sizes if self.why_not(arch, s, budget) is None]
 
     def why_not(self, arch: Arch, size: str, budget: float) -> str | None:
@@ -494,10 +478,8 @@ class Study:
         return [s for s in arch.sizes if s in chosen]
 
     def rate_at(self, arch: Arch, size: str, budget: float) -> tuple[float | None, list[Run]]:
-        """(the size's learning rate at a budget, the runs still needed to decide it; None until decided). Swept at
-        the smallest budget that trains the size, then checked at each budget it trains at RATE_CHECK times (or more)
-        the FLOPs of the budget it was last swept at: seed 0 at the rate and one neighbour each side, which is a
-        sweep there, extended past a neighbour that wins. A grid of one rate (no sweep) is not checked."""
+        """(the size's learning rate at a budget, None until decided; the runs still needed): module docstring,
+        "Learning rates". A grid of one rate (no sweep) is not checked."""
         # the smallest budget that trains the size: a smaller one whose sizes (decided first) hold it, or this one
         swept_at = next((b for b in self.grid.budgets if b < budget and size in self.decided_sizes(arch, b)), budget)
         lr, sweep = self.rate(arch, size, swept_at, arch.lrs, f"{arch.name} {size}")
@@ -520,8 +502,7 @@ class Study:
     def rate(
         self, arch: Arch, size: str, budget: float, start: list[float], key: str
     ) -> tuple[float | None, list[Run]]:
-        """(the best rate of a sweep from `start` at the budget, its runs); None until it has decided (then in
-        decisions["rates"][key]). A best at an end adds the next rate past it, up to MAX_EXTENSIONS a side; seed 0."""
+        """(the best rate of a sweep from `start` at the budget, None until decided; its runs, seed 0 only)."""
         lrs, seed = list(start), self.grid.seeds[0]
         while True:
             sweep = [Run(arch.name, size, budget, lr, seed) for lr in lrs]
@@ -556,8 +537,7 @@ class Study:
         return self.decisions["sizes"].get(f"{arch.name} {budget:.3g}", [])
 
     def first_baseline_run(self) -> Run | None:
-        """The run the rerun floor repeats: the baseline's middle size at the smallest budget, first seed; None
-        until that size and its rate are decided."""
+        """The run the rerun floor repeats: the baseline's middle size at the smallest budget, first seed."""
         arch, budget = self.archs[self.grid.baseline], self.grid.budgets[0]
         if not (sizes := self.decided_sizes(arch, budget)):
             return None
@@ -566,8 +546,7 @@ class Study:
         return Run(arch.name, size, budget, rate["lr"], self.grid.seeds[0]) if rate else None
 
     def grid_runs(self) -> list[Run]:
-        """The runs the verdict reads: every seed of every size trained at each budget, at the size's rate there
-        (a rate whose check has runs left: the rate so far)."""
+        """The runs the verdict reads: every seed of every size trained at each budget, at the size's rate there."""
         runs = []
         for arch in self.grid.archs:
             for budget in self.grid.budgets:
@@ -608,9 +587,8 @@ class Study:
 
 
 def seconds_needed(study: Study, run: Run) -> float:
-    """A run's wall time as the finished runs of its size predict it (the median): each one's time outside training
-    (compilation, evaluation) plus this run's tokens at its training speed. A size not run yet: the median wall time
-    of its architecture's runs at this budget (equal FLOPs take roughly equal time); 0 when there are none."""
+    """A run's wall time, the median over the finished runs of its size (their time outside training plus this run's
+    tokens at their speed), else over its architecture's runs at its budget (equal FLOPs, similar time), else 0."""
     estimates, neighbours = [], []
     for done, record in study.finished.items():
         if done.size == run.size:
@@ -622,39 +600,22 @@ def seconds_needed(study: Study, run: Run) -> float:
     return statistics.median(estimates or neighbours) if estimates or neighbours else 0.0
 
 
-class Progress:
-    """A line when a run starts and when it ends; off a terminal also a status line every STATUS_EVERY seconds."""
+def describe(run: Run) -> str:
+    return f"{run.size} at {run.budget:.3g} FLOPs, seed {run.seed}{run.variant}, lr {run.lr:g}"
 
-    def __init__(self, study: Study, launcher: LocalPool | SlurmLauncher) -> None:
-        self.study, self.launcher = study, launcher
-        self.shown = time.time()
 
-    def started(self, run: Run, job: Job) -> None:
-        print(f"start {self.describe(run)} on {job.where}", flush=True)
-
-    def ended(self, run: Run, job: Job, outcome: str, counts: str) -> None:
-        print(f"end   {self.describe(run)} on {job.where}: {outcome}, {duration(time.time() - job.started)} "
-              f"({counts})", flush=True)  # fmt: skip
-
-    @staticmethod
-    def describe(run: Run) -> str:
-        return f"{run.size} at {run.budget:.3g} FLOPs, seed {run.seed}{run.variant}, lr {run.lr:g}"
-
-    def status(self, running: dict[Run, Job], queued: list[Run], force: bool = False) -> None:
-        if not force and (sys.stdout.isatty() or time.time() - self.shown < STATUS_EVERY):
-            return
-        self.shown = time.time()
-        done = [r for r in self.study.finished.values() if r.finished]
-        hours = sum(r.wall_time_s / r.hardware.get("runs_per_gpu", 1) for r in done) / 3600
-        left = sum(seconds_needed(self.study, r) for r in queued)
-        print(f"status: {len(done)} runs done, {len(running)} running, {len(queued)} queued; {hours:.2f} "
-              f"{self.launcher.device}-hours so far; the queued runs need about {duration(left)} of run time by the "
-              "finished runs' speeds (their results may call for more)", flush=True)  # fmt: skip
+def status_line(study: Study, launcher: LocalPool | SlurmLauncher, running: int, queued: list[Run]) -> str:
+    """Where the study stands (printed off a terminal every STATUS_EVERY seconds)."""
+    done = [r for r in study.finished.values() if r.finished]
+    hours = sum(r.wall_time_s / r.hardware.get("runs_per_gpu", 1) for r in done) / 3600
+    left = sum(seconds_needed(study, r) for r in queued)
+    return (f"status: {len(done)} runs done, {running} running, {len(queued)} queued; {hours:.2f} {launcher.device}-"
+            f"hours so far; the queued runs need about {duration(left)} of run time by the finished runs' speeds "
+            "(their results may call for more)")  # fmt: skip
 
 
 def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float | None) -> str:
-    """Train what the plan calls for, up to the launcher's slots at once, planning again whenever a run ends: the
-    plan depends only on the runs finished, so the runs and decisions are those of one run at a time. Returns
+    """Train what the plan calls for, up to the launcher's slots at once, planning again whenever a run ends. Returns
     "complete", "deadline" (no run left fits before it, or it stopped runs), "stopped" (SIGINT or SIGTERM: the runs
     were stopped, each with a checkpoint) or "failed" (runs that failed twice, reported; the others went on)."""
     runs_by_name = {r.name: r for r in study.plan()}
@@ -664,7 +625,7 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
     failed: dict[Run, str] = {}
     signals: list[int] = []
     handlers = {sig: signal.signal(sig, lambda signum, frame: signals.append(signum)) for sig in STOP_SIGNALS}
-    progress = Progress(study, launcher)
+    shown = time.time()
     print(f"training on {launcher.describe()}", flush=True)
     if running:
         print(f"following {len(running)} runs an earlier study left in flight: "
@@ -684,13 +645,15 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
                 study.log(run).parent.mkdir(parents=True, exist_ok=True)
                 running[run] = job = launcher.start(run.name, study.argv(run), study.log(run), study.run_env)
                 attempts[run] = attempts.get(run, 0) + 1
-                progress.started(run, job)
+                print(f"start {describe(run)} on {job.where}", flush=True)
             if not running and study.awaiting_forecast and not (signals or out_of_time):
                 write_forecast(study)
                 continue
             if not running:
                 break
-            progress.status(running, [r for r in queued if r not in running])
+            if not sys.stdout.isatty() and time.time() - shown >= STATUS_EVERY:
+                shown = time.time()
+                print(status_line(study, launcher, len(running), [r for r in queued if r not in running]), flush=True)
             for job, code in launcher.wait(timeout=WAIT_S):
                 run = next(r for r, j in running.items() if j is job)
                 del running[run]
@@ -700,7 +663,8 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
                     outcome += f"; its log: {study.log(run)}"
                 elif outcome.startswith("failed"):
                     outcome += "; trying it once more, resumed"
-                progress.ended(run, job, outcome, f"{len(study.finished)} done, {len(running)} running")
+                print(f"end   {describe(run)} on {job.where}: {outcome}, {duration(time.time() - job.started)} "
+                      f"({len(study.finished)} done, {len(running)} running)", flush=True)  # fmt: skip
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -715,8 +679,7 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
 
 
 def write_forecast(study: Study) -> None:
-    """Every budget below the top is done: its frontiers predict the top budget (ppt/forecast.py), written once into
-    <out>/forecast.json before any of its runs starts."""
+    """The top budget predicted from the budgets below (ppt/forecast.py), before any of its runs starts."""
     top = study.grid.budgets[-1]
     predicted = forecast.predict([r for r in run_results(study) if r.budget < top], study.grid.baseline, top)
     forecast.write(predicted, study.forecast_path)
@@ -724,9 +687,8 @@ def write_forecast(study: Study) -> None:
 
 
 def outcome_of(study: Study, run: Run, code: int | None, asked_to_stop: bool) -> str:
-    """What a run's exit status means: its val bpb; "diverged" (marked, so the plan counts it infinitely bad);
-    "stopped" when the study stopped it (it resumes from its checkpoint next time); else "failed (...)" and the log's
-    last error line."""
+    """What a run's exit status means: its val bpb, "diverged" (marked for the plan), "stopped" (by the study), or
+    "failed (...)" and the log's last error line."""
     if code == 0 and (loss := study.loss(run)) is not None:
         return f"val bpb {loss:.4f}"
     error = last_error(study.log(run))
@@ -743,8 +705,7 @@ def outcome_of(study: Study, run: Run, code: int | None, asked_to_stop: bool) ->
 
 
 def run_results(study: Study) -> list[frontier.RunResult]:
-    """The verdict's runs; GPU-seconds: a run's tokens at its size's training speed as `--time` measured it (None for a
-    size it has not timed), never the runs' own speeds, which depend on what trained beside them."""
+    """The verdict's runs; GPU-seconds: tokens at the size's speed as `--time` measured it alone (else None)."""
     speeds = {size: statistics.median(s) for size, s in study.speeds().get("tok_per_s", {}).items()}
     results = []
     for run in study.grid_runs():
@@ -756,9 +717,8 @@ def run_results(study: Study) -> list[frontier.RunResult]:
 
 
 def time_sizes(study: Study, launcher: LocalPool, repeats: int) -> None:
-    """--time N: each size the verdict reads, N times, sizes interleaved, each alone on a GPU: base_train --benchmark
-    with the size's flags for TIMING_STEPS steps (the summary's tokens/s leaves out the first 5). Written to
-    <out>/speeds.json with the code and hardware they were measured on."""
+    """--time N: each size the verdict reads N times, interleaved, alone on a GPU (base_train --benchmark for
+    TIMING_STEPS steps), into <out>/speeds.json with the code and hardware."""
     sizes = {run.size: run for run in sorted(study.grid_runs(), key=lambda r: -r.budget)}  # the longest run's flags
     todo = [(size, i) for i in range(repeats) for size in sizes]
     speeds: dict[str, list[float]] = {}
@@ -785,7 +745,6 @@ def time_sizes(study: Study, launcher: LocalPool, repeats: int) -> None:
 
 
 def floor_text(study: Study) -> str:
-    """The rerun floor: the deterministic rerun against the original, and the two runs without --deterministic."""
     first = study.first_baseline_run()
     runs = {r.variant: r for r in study.floor_runs()}
     original, lines = study.record(first), [f"Rerun floor ({first.name}):"]
@@ -802,19 +761,14 @@ def floor_text(study: Study) -> str:
 
 
 def forecast_text(study: Study, results: list[frontier.RunResult], verdict: frontier.Verdict) -> list[str]:
-    """The forecast of the top budget against its measurement, and whether it was written before its runs started;
-    without one, a retrodiction from the same records, labelled so."""
+    """The top budget's forecast against its measurement, and whether it was pre-registered; else a retrodiction."""
     top = study.grid.budgets[-1]
     if len(study.grid.budgets) < FORECAST_BUDGETS:
         return []
     if not study.forecast_path.exists():
-        predicted = forecast.predict(results, study.grid.baseline, top)
-        return [
-            "### Retrodiction, not a prediction\n",
-            "No forecast was written before the top budget's runs "
-            "started; this one is fitted after them, on the same records.\n",
-            forecast.markdown(predicted, verdict),
-        ]
+        return ["### Retrodiction, not a prediction\n", "No forecast was written before the top budget's runs started; "
+                "this one is fitted after them, on the same records.\n",
+                forecast.markdown(forecast.predict(results, study.grid.baseline, top), verdict)]  # fmt: skip
     predicted, written = forecast.read(study.forecast_path)
     started = min(study.record(r).started for r in study.grid_runs() if r.budget == top)
     why = forecast.why_not_preregistered(study.forecast_path, started)
@@ -823,8 +777,7 @@ def forecast_text(study: Study, results: list[frontier.RunResult], verdict: fron
 
 
 def budget_settings(study: Study, budget: float) -> list[compare.Setting]:
-    """The budget's grid runs as scripts.compare's settings, one per size (its seeds), labelled with the size's rate
-    and the passes its runs made over the train split."""
+    """The budget's grid runs as scripts.compare's settings, one per size (its seeds)."""
     settings: dict[str, compare.Setting] = {}
     for run in (r for r in study.grid_runs() if r.budget == budget):
         record = study.record(run)
@@ -837,13 +790,11 @@ def budget_settings(study: Study, budget: float) -> list[compare.Setting]:
 
 
 def best_setting(settings: list[compare.Setting], arch: str) -> compare.Setting:
-    """The architecture's size with the lowest mean final val bpb among a budget's settings."""
     return min((s for s in settings if s.fields["arch"] == arch), key=lambda s: statistics.fmean(s.final("val_bpb")))
 
 
 def edge_notes(study: Study, tables: dict[float, list[compare.Setting]]) -> list[str]:
-    """Where a budget's best size is at an end of the sizes it trained, why no size past it ran: the grid lists
-    none, or the epoch cap ruled it out (then the frontier point there is limited by the data)."""
+    """Where a budget's best size is at an end of the sizes it trained, why no size past it ran."""
     notes = []
     for arch in study.grid.archs:
         for budget, settings in tables.items():
@@ -873,11 +824,9 @@ def write_results(study: Study, grid_path: Path) -> str:
     frontier.plot(verdict, out / "frontier.png")
     tables = {budget: budget_settings(study, budget) for budget in grid.budgets}
     best = {budget: {a.name: best_setting(settings, a.name) for a in grid.archs} for budget, settings in tables.items()}
-    ngram = [
-        b
-        for b, by_arch in best.items()  # budgets where an architecture's best is not clearly below the counts
-        if any(in_ngram_regime(statistics.fmean(s.final("val_bpb")), counts) for s in by_arch.values())
-    ]
+    # the budgets where an architecture's best is not clearly below the counts
+    ngram = [b for b, by_arch in best.items() if any(in_ngram_regime(statistics.fmean(s.final("val_bpb")), counts)
+                                                     for s in by_arch.values())]  # fmt: skip
     trees = {(r.git.get("commit"), r.model_source.get("sha256"), r.hardware.get("gpu")) for r in runs}
     floor = CROSS_MACHINE_FLOOR if len(trees) > 1 else 0.0
     rows = frontier.robustness(results, grid.baseline, "flops", floor)
@@ -972,10 +921,8 @@ def study_main(args: argparse.Namespace) -> int:
             print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
         seconds = [seconds_needed(study, r) for r in runs]
         unknown = f"; {seconds.count(0.0)} with no estimate (nothing like them has run)" if 0.0 in seconds else ""
-        print(
-            f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} as "
-            f"the finished runs time them{unknown}"
-        )
+        print(f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} "
+              f"as the finished runs time them{unknown}")  # fmt: skip
         if study.awaiting_forecast:
             print(f"the budgets below {grid.budgets[-1]:.3g} are done: the study writes the forecast next, then "
                   "trains the top budget")  # fmt: skip
