@@ -60,8 +60,10 @@ def val_rows(streams: list[np.ndarray], eval_tokens: int, seq_len: int, world_si
     rows_per_shard = [(s.size - 1) // seq_len for s in streams]
     rows = world_size * min(eval_tokens // (seq_len * world_size), sum(rows_per_shard) // world_size)
     if rows == 0:
-        raise PPTError(f"a val budget of {eval_tokens} tokens holds no row of {seq_len} tokens per rank ({world_size} "
-                       "ranks) in this val split; raise the budget or lower seq_len")  # fmt: skip
+        raise PPTError(
+            f"a val budget of {eval_tokens} tokens holds no row of {seq_len} tokens per rank ({world_size} "
+            "ranks) in this val split; raise the budget or lower seq_len"
+        )
     parts = []
     for stream, shard_rows in zip(streams, rows_per_shard):
         take = min(shard_rows, rows)
@@ -137,8 +139,10 @@ class KneserNey:
 
     def __init__(self, streams: list[np.ndarray], vocab_size: int, eot_id: int, max_order: int = 4) -> None:
         if not 1 <= max_order <= largest_order(vocab_size):
-            raise PPTError(f"max_order must be 1 to {largest_order(vocab_size)} (the longest n-gram of a {vocab_size}-"
-                           f"token vocabulary whose code fits 64 bits), got {max_order}")  # fmt: skip
+            raise PPTError(
+                f"max_order must be 1 to {largest_order(vocab_size)} (the longest n-gram of a {vocab_size}-"
+                f"token vocabulary whose code fits 64 bits), got {max_order}"
+            )
         self.vocab_size, self.eot_id, self.max_order = vocab_size, eot_id, max_order
         lengths = [context_lengths(s[None], eot_id) for s in streams]
         orders = [ngram_codes(s[None], vocab_size, max_order) for s in streams]
@@ -201,6 +205,8 @@ def in_ngram_regime(bpb: float, counts: Mapping[str, float | int | str], margin:
     """Whether `bpb` is not clearly below the best count model of `counts` (ngram_bpb's result): above its bpb less
     `margin` (NGRAM_MARGIN says why 0.02)."""
     if margin < 0 or "best" not in counts:
-        raise PPTError(f"in_ngram_regime needs ngram_bpb's result and a margin of at least 0, got keys "
-                       f"{sorted(counts)} and margin {margin}")  # fmt: skip
+        raise PPTError(
+            f"in_ngram_regime needs ngram_bpb's result and a margin of at least 0, got keys "
+            f"{sorted(counts)} and margin {margin}"
+        )
     return bpb > counts[counts["best"]] - margin

@@ -374,9 +374,11 @@ class Study:
                 "since it ran. Use another --out, or delete that run directory to rerun it"
             )
         if self.data_fingerprint not in (None, record.data["fingerprint"]):
-            raise PPTError(f"{path.parent} trained on other tokens (data fingerprint {record.data['fingerprint'][:12]})"
-                           f" than {self.grid.data_dir} holds ({self.data_fingerprint[:12]}): prepare the data it used "
-                           "again (the same documents and tokenizer) or use another --out")  # fmt: skip
+            raise PPTError(
+                f"{path.parent} trained on other tokens (data fingerprint {record.data['fingerprint'][:12]})"
+                f" than {self.grid.data_dir} holds ({self.data_fingerprint[:12]}): prepare the data it used "
+                "again (the same documents and tokenizer) or use another --out"
+            )
         if record.final_val:
             self.finished[run] = record
         return self.finished.get(run)
@@ -609,9 +611,11 @@ def status_line(study: Study, launcher: LocalPool | SlurmLauncher, running: int,
     done = [r for r in study.finished.values() if r.finished]
     hours = sum(r.wall_time_s / r.hardware.get("runs_per_gpu", 1) for r in done) / 3600
     left = sum(seconds_needed(study, r) for r in queued)
-    return (f"status: {len(done)} runs done, {running} running, {len(queued)} queued; {hours:.2f} {launcher.device}-"
-            f"hours so far; the queued runs need about {duration(left)} of run time by the finished runs' speeds "
-            "(their results may call for more)")  # fmt: skip
+    return (
+        f"status: {len(done)} runs done, {running} running, {len(queued)} queued; {hours:.2f} {launcher.device}-"
+        f"hours so far; the queued runs need about {duration(left)} of run time by the finished runs' speeds "
+        "(their results may call for more)"
+    )
 
 
 def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float | None) -> str:
@@ -663,8 +667,11 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
                     outcome += f"; its log: {study.log(run)}"
                 elif outcome.startswith("failed"):
                     outcome += "; trying it once more, resumed"
-                print(f"end   {describe(run)} on {job.where}: {outcome}, {duration(time.time() - job.started)} "
-                      f"({len(study.finished)} done, {len(running)} running)", flush=True)  # fmt: skip
+                print(
+                    f"end   {describe(run)} on {job.where}: {outcome}, {duration(time.time() - job.started)} "
+                    f"({len(study.finished)} done, {len(running)} running)",
+                    flush=True,
+                )
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -766,9 +773,12 @@ def forecast_text(study: Study, results: list[frontier.RunResult], verdict: fron
     if len(study.grid.budgets) < FORECAST_BUDGETS:
         return []
     if not study.forecast_path.exists():
-        return ["### Retrodiction, not a prediction\n", "No forecast was written before the top budget's runs started; "
-                "this one is fitted after them, on the same records.\n",
-                forecast.markdown(forecast.predict(results, study.grid.baseline, top), verdict)]  # fmt: skip
+        return [
+            "### Retrodiction, not a prediction\n",
+            "No forecast was written before the top budget's runs started; "
+            "this one is fitted after them, on the same records.\n",
+            forecast.markdown(forecast.predict(results, study.grid.baseline, top), verdict),
+        ]
     predicted, written = forecast.read(study.forecast_path)
     started = min(study.record(r).started for r in study.grid_runs() if r.budget == top)
     why = forecast.why_not_preregistered(study.forecast_path, started)
@@ -825,8 +835,11 @@ def write_results(study: Study, grid_path: Path) -> str:
     tables = {budget: budget_settings(study, budget) for budget in grid.budgets}
     best = {budget: {a.name: best_setting(settings, a.name) for a in grid.archs} for budget, settings in tables.items()}
     # the budgets where an architecture's best is not clearly below the counts
-    ngram = [b for b, by_arch in best.items() if any(in_ngram_regime(statistics.fmean(s.final("val_bpb")), counts)
-                                                     for s in by_arch.values())]  # fmt: skip
+    ngram = [
+        b
+        for b, by_arch in best.items()
+        if any(in_ngram_regime(statistics.fmean(s.final("val_bpb")), counts) for s in by_arch.values())
+    ]
     trees = {(r.git.get("commit"), r.model_source.get("sha256"), r.hardware.get("gpu")) for r in runs}
     floor = CROSS_MACHINE_FLOOR if len(trees) > 1 else 0.0
     rows = frontier.robustness(results, grid.baseline, "flops", floor)
@@ -921,8 +934,10 @@ def study_main(args: argparse.Namespace) -> int:
             print(f"{run.name}: python -m scripts.base_train {' '.join(study.argv(run))}")
         seconds = [seconds_needed(study, r) for r in runs]
         unknown = f"; {seconds.count(0.0)} with no estimate (nothing like them has run)" if 0.0 in seconds else ""
-        print(f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} "
-              f"as the finished runs time them{unknown}")  # fmt: skip
+        print(
+            f"{len(runs)} runs called for now (finishing them may call for more), about {duration(sum(seconds))} "
+            f"as the finished runs time them{unknown}"
+        )
         if study.awaiting_forecast:
             print(f"the budgets below {grid.budgets[-1]:.3g} are done: the study writes the forecast next, then "
                   "trains the top budget")  # fmt: skip
