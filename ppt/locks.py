@@ -193,3 +193,21 @@ def release_locks(keep: int = 0) -> None:
 def locks_held() -> int:
     """How many locks this process holds: what a caller passes to release_locks afterwards to keep its own."""
     return len(_held_locks)
+
+
+def remove_leftovers(directory: Path, prefix: str = "") -> list[Path]:
+    """Remove what killed processes of this host left in `directory` (of the files named `.<prefix>...`): a lock whose
+    owner is dead, and a temp file of `atomic_file` whose writer is (a process killed mid-write never renames it). For
+    folders that only finished or dead runs write into: a temp file names its writer's pid, not its host."""
+    removed = []
+    for path in Path(directory).glob(f".{prefix}*"):
+        if path.name.endswith(".lock"):
+            owner = _read_owner(path, str(directory))
+            dead = owner is not None and owner.get("host") == socket.gethostname() and not _owner_alive(owner)
+        else:
+            pid = path.name.rsplit(".", 2)[-2] if path.name.endswith(".tmp") else ""
+            dead = pid.isdigit() and not _owner_alive({"pid": pid})
+        if dead:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

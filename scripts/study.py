@@ -90,7 +90,7 @@ from ppt.common import (
     run_tag,
 )
 from ppt.formatting import duration
-from ppt.locks import lock_directory, release_locks
+from ppt.locks import lock_directory, release_locks, remove_leftovers
 from ppt.run import RunRecord, git_state, hardware
 from scripts import compare, train_settings
 from scripts.launchers import LocalPool, SlurmLauncher, SlurmSettings, chosen_gpus, jobs_in_flight, last_error
@@ -625,6 +625,11 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
     runs_by_name = {r.name: r for r in study.plan()}
     running = {runs_by_name[job.name]: job for job in launcher.adopt(
         {name: study.run_dir(run) for name, run in runs_by_name.items()}) if job.name in runs_by_name}  # fmt: skip
+    in_flight = {run.name for run in running}
+    for run_dir in sorted((study.out / "runs").glob("*/")):  # what runs killed with an earlier study left behind
+        if run_dir.name not in in_flight:
+            remove_leftovers(run_dir)
+            remove_leftovers(study.out / "reports", prefix=f"{run_dir.name}.")
     attempts: dict[Run, int] = {}
     failed: dict[Run, str] = {}
     signals: list[int] = []

@@ -119,6 +119,24 @@ def test_an_unreadable_lock_file_says_to_delete_it_if_unused(tmp_path):
         locks.lock_directory(tmp_path, "fix")
 
 
+def test_only_what_dead_processes_of_this_host_left_is_removed(tmp_path, live_process):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = {
+        ".ppt.lock": owner_record(dead.pid),
+        ".run.lock": owner_record(live_process.pid),
+        ".other.lock": owner_record(dead.pid, host="gpu-node-7"),  # its liveness cannot be seen from here
+        f".run_loss.png.{dead.pid}.tmp": "",
+        f".run.json.{live_process.pid}.tmp": "",
+        "run.json": "{}",
+    }
+    for name, text in left.items():
+        (tmp_path / name).write_text(text)
+    removed = locks.remove_leftovers(tmp_path)
+    assert sorted(p.name for p in removed) == [".ppt.lock", f".run_loss.png.{dead.pid}.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(left) - {p.name for p in removed})
+
+
 # ---- numbers and sizes ---------------------------------------------------------------------------------------------
 
 

@@ -755,9 +755,11 @@ BAD_INPUT = [
     pytest.param("base_train", [*TRAIN, "--weight-decay", "1e30"], {},
                  r"argument --weight-decay: '1e30' is not a finite number >= 0 and <= 1e6",
                  id="train-absurd-weight-decay"),
-    pytest.param("base_train", [*TRAIN[2:], "--depth", "200"], {},
-                 r"this run needs at least .* TB of memory \(.* for the fp32 weights, gradients and AdamW moments of "
+    pytest.param("base_train", [*TRAIN[2:], "--depth", "64"], {},
+                 r"this run needs at least .* GB of memory \(.* for the fp32 weights, gradients and AdamW moments of "
                  r".* parameters\), but .* is free on cpu; choose a smaller config$", id="train-too-big-for-memory"),
+    pytest.param("base_train", [*TRAIN[2:], "--depth", "100000"], {},
+                 r"argument --depth: '100000' is not an integer >= 1 and <= 64", id="train-depth-past-the-dial"),
 ]  # fmt: skip
 
 

@@ -449,6 +449,12 @@ def interrupted_study(demo_home: Path, tmp_path_factory: pytest.TempPathFactory)
     command = [sys.executable, "-m", "scripts.study", str(CPU_GRID), "--runs-per-gpu", "2"]
     stopped, printed = [], ""
     for how in ("SIGTERM", "kill -9", None):
+        if how is None:  # what a run killed between its last write and its exit leaves, in a finished run's folders
+            finished = next(p.parent for p in out.glob("runs/*/*.json") if json.loads(p.read_text()).get("finished"))
+            dead = 2**22 + 1  # above Linux's largest pid: no such process
+            for leftover in (finished / locks.LOCK_NAME, out / "reports" / f".{finished.name}.lock"):
+                leftover.write_text(json.dumps({"pid": dead, "host": socket.gethostname()}))
+            (finished / f".{finished.name}_loss.png.{dead}.tmp").touch()
         process = subprocess.Popen(command, cwd=work, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)  # fmt: skip
         if how is None:
@@ -480,6 +486,7 @@ def test_two_at_a_time_stopped_killed_and_failing_the_study_trains_the_runs_of_o
     assert "end   d1 at 5e+09 FLOPs, seed 1, lr 0.003 on CPU: failed (killed)" in printed
     assert "trying it once more, resumed" in printed and f"; its log: runs/cpu/logs/{VICTIM}.log" in printed
     assert "stopped: " in printed
+    assert not [*out.glob("runs/*/.*"), *out.glob("reports/.*")]  # no lock or temp file of a dead run is left
     assert_same_study(cpu_study, out)
 
 
