@@ -109,7 +109,15 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
 
 
 def ensure_writable(directory: Path, needed_bytes: int) -> None:
-    """Fail before training starts when the output dir is unwritable or lacks room for two checkpoints."""
+    """Fail before training starts when the output dir is unwritable or lacks room for two checkpoints (room is
+    looked for first, on the nearest folder that exists: a refusal makes no folder)."""
+    free = shutil.disk_usage(next(p for p in (directory, *directory.parents) if p.exists())).free
+    if free < 2 * needed_bytes:
+        free_text, one, two = format_sizes(free, needed_bytes, 2 * needed_bytes)
+        raise PPTError(
+            f"only {free_text} free under {directory}; a checkpoint takes about {one}, and two ({two}) must fit while "
+            "the older is replaced: free space or pass --out-dir on a larger disk"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".write_probe{os.getpid()}"
@@ -117,10 +125,3 @@ def ensure_writable(directory: Path, needed_bytes: int) -> None:
         probe.unlink()
     except OSError as exc:
         raise PPTError(f"output directory {directory} is not writable ({exc.strerror}); pass --out-dir DIR") from exc
-    free = shutil.disk_usage(directory).free
-    if free < 2 * needed_bytes:
-        free_text, one, two = format_sizes(free, needed_bytes, 2 * needed_bytes)
-        raise PPTError(
-            f"only {free_text} free under {directory}; a checkpoint takes about {one}, and two ({two}) must fit while "
-            "the older is replaced: free space or pass --out-dir on a larger disk"
-        )

@@ -27,7 +27,7 @@ class Lock:
     path: Path
     token: str
     pid: int
-    remove_empty_dir: bool = False  # the run made the locked directory: gone again if it wrote nothing there
+    made_dirs: tuple[Path, ...] = ()  # folders the run made, deepest first: gone again if it wrote nothing there
 
     def release(self) -> None:
         """Remove the lock file if it is still this process's (never in a forked child, never another's lock)."""
@@ -36,8 +36,8 @@ class Lock:
         try:
             if json.loads(self.path.read_text()).get("token") == self.token:
                 self.path.unlink()
-                if self.remove_empty_dir:
-                    self.path.parent.rmdir()  # fails, as it should, when the run left anything in it
+                for directory in self.made_dirs:
+                    directory.rmdir()  # fails, as it should, when the run left anything in it
         except (OSError, ValueError):
             pass
 
@@ -102,17 +102,23 @@ def directory_user(directory: Path) -> str | None:
     return _describe_owner(owner)
 
 
-def lock_directory(directory: Path, fix: str, made_by_this_run: bool = False) -> Lock:
-    """hold_lock on `directory/.ppt.lock`; a directory this run made is removed with the lock if the run left it empty
-    (as a refused run does)."""
+def missing_dirs(directory: Path) -> tuple[Path, ...]:
+    """The folders that making `directory` would create, deepest first."""
+    return tuple(p for p in (directory, *directory.parents) if not p.exists())
+
+
+def lock_directory(directory: Path, fix: str, made_dirs: tuple[Path, ...] = ()) -> Lock:
+    """hold_lock on `directory/.ppt.lock`."""
     directory = Path(directory)
-    return hold_lock(directory / LOCK_NAME, str(directory), fix, remove_empty_dir=made_by_this_run)
+    return hold_lock(directory / LOCK_NAME, str(directory), fix, made_dirs)
 
 
-def hold_lock(lock_file: Path, what: str, fix: str, remove_empty_dir: bool = False) -> Lock:
+def hold_lock(lock_file: Path, what: str, fix: str, made_dirs: tuple[Path, ...] = ()) -> Lock:
     """Give this process sole use of `what` through `lock_file` until `release_locks()` or exit. A live owner on this
     host, or any owner on another host (whose liveness this host cannot see), stops this run with a PPTError naming the
-    owner and `fix`; a dead one's lock is taken over with a warning. The file appears whole (hard-linked from temp)."""
+    owner and `fix`; a dead one's lock is taken over with a warning. The file appears whole (hard-linked from temp).
+    Released, it takes along those of `made_dirs` (the folders the run made) that the run left empty, as a refused
+    run does."""
     lock_file, host, pid = Path(lock_file), socket.gethostname(), os.getpid()
     owner = {
         "pid": pid,
@@ -157,7 +163,7 @@ def hold_lock(lock_file: Path, what: str, fix: str, remove_empty_dir: bool = Fal
             raise PPTError(f"could not lock {what}: other runs keep taking and releasing it; {fix}")
     finally:
         tmp.unlink(missing_ok=True)
-    lock = Lock(lock_file, owner["token"], pid, remove_empty_dir)
+    lock = Lock(lock_file, owner["token"], pid, made_dirs)
     if not _held_locks:
         atexit.register(release_locks)
     _held_locks.append(lock)

@@ -30,7 +30,7 @@ from ppt.data import DataLoader
 from ppt.devices import peak_flops
 from ppt.flops import NO_FORMULAS, mfu_flops_per_token, traced_step
 from ppt.formatting import duration
-from ppt.locks import hold_lock, lock_directory, locks_held, release_locks
+from ppt.locks import hold_lock, lock_directory, locks_held, missing_dirs, release_locks
 from ppt.loss_eval import autocast, evaluate_bpb
 from ppt.memory import check_memory
 from ppt.model import build_model
@@ -130,12 +130,12 @@ class Trainer:
         )  # fmt: skip
         self.token_bytes = s.tokenizer.token_bytes().to(rt.device)
         if rt.is_master:
-            made_out_dir = not s.out_dir.exists()
+            made = missing_dirs(s.out_dir), missing_dirs(s.reports_path.parent)
             ckpt.ensure_writable(s.out_dir, needed_bytes=self.n_params * 4 * 3)
             if not s.benchmark:  # one run per checkpoint directory and per run name (it names the record)
-                lock_directory(s.out_dir, "give this run another --tag or --out-dir", made_by_this_run=made_out_dir)
+                lock_directory(s.out_dir, "give this run another --tag or --out-dir", made[0])
                 hold_lock(s.reports_path.with_name(f".{s.tag}.lock"), f"the run name {s.tag!r}",
-                          "give this run another --tag")  # fmt: skip
+                          "give this run another --tag", made[1])  # fmt: skip
         self.state = self.resumed_state()
         self.step = self.start_step = self.state.get("step", 0)
         self.tokens_seen = self.state.get("tokens", 0)

@@ -385,7 +385,16 @@ def test_too_little_free_space_fails_before_training(demo_data_dir, tmp_path, mo
     message = r"only 1\.0 MB free under .*; a checkpoint takes about 10\.\d MB, and two \(2\d\.\d MB\) must fit"
     with pytest.raises(PPTError, match=message):
         base_train.main(train_argv(demo_data_dir, out, "nospace"))
-    assert "step " not in capsys.readouterr().out and not list(out.glob("step_*"))
+    assert "step " not in capsys.readouterr().out and not out.exists()  # refused before any folder is made
+
+
+def test_a_budget_refused_after_the_locks_leaves_no_folder_in_the_cache(demo_data_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PPT_CACHE", str(tmp_path / "cache"))
+    argv = train_argv(demo_data_dir, tmp_path / "unused", "huge", "--target-flops", "1e30")
+    flags = {flag: value for flag, value in zip(argv[::2], argv[1::2]) if flag not in ("--out-dir", "--target-tokens")}
+    with pytest.raises(PPTError, match="more than the 1e\\+15 any run can count"):
+        base_train.main([word for pair in flags.items() for word in pair])  # out-dir: <cache>/checkpoints/huge
+    assert not list(tmp_path.iterdir())  # neither the checkpoint folder nor the reports folder, nor the cache
 
 
 # ---- 6: security --------------------------------------------------------------------------------------------------
@@ -467,8 +476,8 @@ from ppt.model import build_model, get_config
 with torch.device("meta"):  # pays torch's lazy imports (seconds) once here instead of in every child
     build_model(get_config("tiny"))
 
-def files_under(folder):
-    return {os.path.relpath(os.path.join(d, f), folder) for d, _, names in os.walk(folder) for f in names}
+def files_under(folder):  # folders too: a refusal leaves no empty one
+    return {os.path.relpath(os.path.join(d, f), folder) for d, dirs, names in os.walk(folder) for f in dirs + names}
 
 cases_file, results_file, work = sys.argv[1:]
 logs = os.path.join(work, "logs")
