@@ -555,8 +555,9 @@ class Trainer:
         return evaluation
 
     def log_wandb(self, entry: dict[str, Any]) -> None:
-        """wandb's metrics, with integers past 2^53 (cumulative FLOPs) as floats."""
-        if self.wandb_run:
+        """wandb's metrics, with integers past 2^53 (cumulative FLOPs) as floats. A resumed wandb run already holds the
+        steps a killed run logged after its last checkpoint: those are not sent twice."""
+        if self.wandb_run and self.step >= self.wandb_run.starting_step:
             self.wandb_run.log(
                 {k: float(v) if isinstance(v, int) and abs(v) > 2**53 else v for k, v in entry.items()}, step=self.step
             )
