@@ -317,7 +317,7 @@ def test_wandb_gets_each_step_once_across_a_kill_and_resume(demo_data_dir, tmp_p
     starts at the step after its last (`starting_step`), and those steps are not sent twice."""
     logged: dict[str, list[int]] = {}
 
-    def init(id: str | None = None, **kwargs: object) -> types.SimpleNamespace:  # noqa: A002 (wandb's name)
+    def init(id: str | None = None, **kwargs: object) -> types.SimpleNamespace:
         steps = logged.setdefault(id or "run-1", [])
         return types.SimpleNamespace(id=id or "run-1", starting_step=max(steps, default=-1) + 1, finish=lambda: None,
                                      log=lambda metrics, step: steps.append(step))  # fmt: skip
