@@ -91,6 +91,7 @@ def worker_main(spec_path: str) -> None:
         wandb_calls.append("init")
         or types.SimpleNamespace(
             id="fake-id",
+            starting_step=0,
             log=lambda *args, **kwargs: wandb_calls.append("log"),
             finish=lambda: wandb_calls.append("finish"),
         )

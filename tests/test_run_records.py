@@ -160,29 +160,41 @@ def test_a_flops_budget_becomes_a_token_budget_at_the_start(demo_data_dir, tmp_p
 
 
 class FakeWandb(types.ModuleType):
-    """Stands in for wandb (no network): hands out run ids and records what each run was given."""
+    """Stands in for wandb (no network): hands out run ids and records what each run was given, and at which step; a
+    resumed run starts after the last step it holds, as wandb's does."""
 
     def __init__(self) -> None:
         super().__init__("wandb")
         self.inits: list[dict] = []
         self.logged: list[tuple[str, dict]] = []
+        self.steps: dict[str, list[int]] = {}
 
     def init(self, **kwargs):
         self.inits.append(kwargs)
         run_id = kwargs.get("id") or f"run{len(self.inits)}"
-        log = lambda data, step=None: self.logged.append((run_id, data))  # noqa: E731
-        return types.SimpleNamespace(id=run_id, log=log, finish=lambda: None, step=0)
+        steps = self.steps.setdefault(run_id, [])
+
+        def log(data: dict, step: int | None = None) -> None:
+            self.logged.append((run_id, data))
+            steps.extend([] if step is None else [step])
+
+        return types.SimpleNamespace(id=run_id, log=log, finish=lambda: None, step=0,
+                                     starting_step=max(steps, default=-1) + 1)  # fmt: skip
 
 
 def test_wandb_continues_one_run_across_a_resume_and_an_evaluation(demo_data_dir, tmp_path, monkeypatch):
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = tmp_path / "tracked"
-    base_train.main([*run_argv(demo_data_dir, out, "--run", "tracked"), "--max-steps", "2"])
+    base_train.main([*run_argv(demo_data_dir, out, "--run", "tracked"), "--max-steps", "3", "--save-every", "2"])
     assert fake.inits[0]["id"] is None and fake.inits[0]["resume"] == "allow"
     assert manifest(out)["wandb"] == {"project": "ppt", "name": "tracked", "id": "run1"}
+    ckpt.checkpoint_path(out, 3).unlink()  # killed after logging step 3, past its checkpoint at 2
+    before_resume = len(fake.steps["run1"])
     base_train.main([*run_argv(demo_data_dir, out, "--run", "tracked"), "--resume", "auto"])
     assert fake.inits[1]["id"] == "run1" and {run_id for run_id, _ in fake.logged} == {"run1"}
+    steps = fake.steps["run1"]  # the resumed run trains step 3 again but sends only what wandb lacks: step 4 on
+    assert sorted(set(steps)) == [1, 2, 3, 4] and set(steps[before_resume:]) == {4}
     keys = set().union(*(data for _, data in fake.logged))
     assert {"loss", "grad_norm", "max_rss_gb", "tokens", "comparison_flops", "val_nll", "val_bpb"} <= keys
 
