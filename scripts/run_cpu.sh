@@ -3,7 +3,7 @@
 # set-up -> prepare the embedded corpus -> train a tiny model (~2-3 min) -> evaluate bits-per-byte -> show the report.
 #   bash scripts/run_cpu.sh                              # the tiny vanilla decoder
 #   bash scripts/run_cpu.sh --config multiscreen-tiny    # the tiny Multiscreen model
-#   bash scripts/run_cpu.sh --data-dir DIR --tag NAME    # a corpus you prepared instead of the demo (README)
+#   bash scripts/run_cpu.sh --data-dir DIR --tag NAME    # a corpus you prepared (default tag: cpu-<config>-<DIR name>)
 #   bash scripts/run_cpu.sh --resume auto                # continue a stopped or killed run
 # Other flags go to scripts.base_train (python -m scripts.base_train --help lists them) and override the ones below.
 # Each command is printed before it runs, so it can be rerun or changed by hand.
@@ -24,7 +24,7 @@ done
 ppt_env --extra cpu --extra eval
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 cache="${PPT_CACHE:-$HOME/.cache/ppt}"
-tag="${tag:-cpu-$config}"
+tag="${tag:-cpu-$config${data_dir:+-$(basename "$data_dir")}}"  # a corpus of your own is not the demo run resumed
 run() {
     printf '+ uv run --no-sync python'; printf ' %q' "$@"; printf '\n'
     uv run --no-sync python "$@"
