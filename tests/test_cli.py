@@ -136,6 +136,19 @@ def test_shell_scripts_use_only_existing_flags(help_texts):
         assert flags and not unknown, f"scripts/{script} passes {unknown}, which base_train does not accept"
 
 
+def test_run_cpu_names_a_run_on_ones_own_corpus_apart_from_the_demo_run(tmp_path):
+    """Without --tag, a corpus of one's own trains as cpu-<config>-<its folder>, not as the demo run (whose checkpoint
+    the default name would otherwise try to resume, on another vocabulary)."""
+    (tmp_path / "uv").write_text('#!/bin/sh\n[ "$1" = run ] && echo "$@" >> "$(dirname "$0")/commands"\nexit 0\n')
+    (tmp_path / "uv").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PPT_CACHE": str(tmp_path / "cache")}
+    for extra in ([], ["--data-dir", str(tmp_path / "books")], ["--config", "multiscreen-tiny", "--data-dir", "b/"]):
+        subprocess.run(["bash", str(ROOT / "scripts" / "run_cpu.sh"), *extra], env=env, check=True, capture_output=True)
+    trains = [line.split() for line in (tmp_path / "commands").read_text().splitlines() if "scripts.base_train" in line]
+    tags = [words[words.index("--tag") + 1] for words in trains]
+    assert tags == ["cpu-tiny", "cpu-tiny-books", "cpu-multiscreen-tiny-b"]
+
+
 # ---- every numeric flag of every entry point refuses bad values ------------------------------------------------------
 
 ENTRY_POINTS = [  # what users start and the measurement tools, found so that a new one is covered without a test edit
