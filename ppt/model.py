@@ -445,8 +445,8 @@ OP_FORMULAS = OpFormulas(
 
 def depth_config(depth: int) -> LlamaConfig:
     """The vanilla size dial: width 64*depth, 64-dim heads, full multi-head attention (n_kv_head = n_head)."""
-    if depth < 1:
-        raise PPTError(f"depth must be a positive integer, got {depth}")
+    if not 1 <= depth <= 64:  # d64: 13.1B parameters, 210 GB of fp32 weights and AdamW state, more than a GPU holds
+        raise PPTError(f"depth {depth} is outside the dial's 1 to 64; choose a depth in it")
     d_model = 64 * depth
     d_ff = 64 * math.ceil(8 * d_model / 3 / 64)  # SwiGLU's 8/3 expansion, rounded up to a multiple of 64
     return LlamaConfig(n_layer=depth, n_head=depth, n_kv_head=depth, d_model=d_model, d_ff=d_ff)

@@ -53,9 +53,6 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 SEED = Number(int, 0, 2**32 - 1)  # what every generator a run seeds takes (numpy's legacy one the least)
-# d64 is 13.1B parameters: 210 GB of fp32 weights, gradients and AdamW moments, more than one GPU holds; a far
-# deeper dial would spend minutes building layers on meta before the memory check could refuse them
-DEPTH = Number(int, 1, 64)
 TOTAL_BATCH_TOKENS = 524_288  # tokens a step, all ranks together, unless --total-batch-tokens
 # A config field of this name, if the config has one, is set to the training row length (SPEC.md, the model contract).
 TRAIN_LENGTH_FIELD = "train_seq_len"
@@ -126,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", help=f"a named config: {', '.join(CONFIGS)}, or a name ppt/model.py's get_config "
                    f"resolves (its size dials: d12, multiscreen-d16; default {DEFAULT_CONFIG} unless "
                    "--depth)")  # fmt: skip
-    g.add_argument("--depth", type=DEPTH, help="the scaling dial: width and heads derived from depth (1 to 64)")
+    g.add_argument("--depth", type=positive_int, help="the scaling dial: width and heads derived from depth (1 to 64)")
     g = p.add_argument_group("data and batch")
     g.add_argument("--data-dir", type=Path, help="prepared shards (default <cache>/data/fineweb-edu)")
     g.add_argument("--seq-len", type=positive_int, help="tokens per row (default min(2048, the config's max_seq_len))")

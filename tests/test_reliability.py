@@ -768,7 +768,9 @@ BAD_INPUT = [
                  r"this run needs at least .* GB of memory \(.* for the fp32 weights, gradients and AdamW moments of "
                  r".* parameters\), but .* is free on cpu; choose a smaller config$", id="train-too-big-for-memory"),
     pytest.param("base_train", [*TRAIN[2:], "--depth", "100000"], {},
-                 r"argument --depth: '100000' is not an integer >= 1 and <= 64", id="train-depth-past-the-dial"),
+                 r"depth 100000 is outside the dial's 1 to 64; choose a depth in it$", id="train-depth-past-the-dial"),
+    pytest.param("base_train", [*TRAIN[2:], "--config", "d100000"], {},
+                 r"depth 100000 is outside the dial's 1 to 64; choose a depth in it$", id="train-config-past-the-dial"),
 ]  # fmt: skip
 
 
