@@ -156,10 +156,8 @@ class Trainer:
             if rt.is_master and not s.benchmark:
                 # a fresh run here would prune the new checkpoints and evaluate the earlier run's
                 if earlier := ckpt.list_checkpoints(s.out_dir):
-                    raise PPTError(
-                        f"{s.out_dir} holds checkpoints of an earlier run (up to step {earlier[-1][0]}); continue "
-                        "it with --resume auto, or give this run another --tag or --out-dir"
-                    )
+                    raise PPTError(f"{s.out_dir} holds checkpoints of an earlier run (up to step {earlier[-1][0]}); "
+                                   f"{self.resume_advice()}give this run another --tag or --out-dir")  # fmt: skip
                 self.check_run_name_free()
             return {}
         state = ckpt.load_checkpoint(path, map_location=rt.device)
@@ -183,6 +181,17 @@ class Trainer:
         self.resume_path = path
         print0(f"resumed from {path} at step {state['step']}")
         return state
+
+    def resume_advice(self) -> str:
+        """What to say of an earlier run's checkpoints in this run's folder: to resume them only where that can work."""
+        s = self.settings
+        newest = None if s.resume == "auto" else ckpt.latest_checkpoint(s.out_dir)  # auto looked, and none loaded
+        if newest is None:
+            return "none of them loads (see above): delete them, or "
+        saved = torch.load(newest, map_location="cpu", weights_only=True, mmap=True).get("config", {})
+        if differences := ckpt.config_mismatch(saved, s.config_dict):
+            return f"they are another model's ({differences[0]}): "
+        return "continue it with --resume auto, or "
 
     def check_run_name_free(self) -> None:
         """A fresh run may not take the name of a finished or stopped run elsewhere: its record would be replaced."""

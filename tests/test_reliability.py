@@ -636,6 +636,14 @@ BAD_INPUT = [
     pytest.param("base_train", [*TRAIN, "--out-dir", "{work}/tiny"], {},
                  r"tiny holds checkpoints of an earlier run \(up to step 1\); continue it with --resume auto, or give "
                  r"this run another --tag or --out-dir$", id="train-fresh-run-over-an-earlier-one"),
+    pytest.param("base_train", [*TRAIN, "--out-dir", "{work}/other_config"], {},
+                 r"other_config holds checkpoints of an earlier run \(up to step 4\); they are another model's "
+                 r"\(n_layer: checkpoint=2 run=\d+\): give this run another --tag or --out-dir$",
+                 id="train-fresh-run-over-another-models-checkpoints"),
+    pytest.param("base_train", [*TRAIN, "--out-dir", "{work}/unreadable"], {},
+                 r"unreadable holds checkpoints of an earlier run \(up to step 3\); none of them loads \(see above\): "
+                 r"delete them, or give this run another --tag or --out-dir$",
+                 id="train-fresh-run-over-unreadable-checkpoints"),
     pytest.param("base_train", [*TRAIN, "--resume", "{work}/batch128/step_00000004.pt"], {},
                  r"step_00000004\.pt trained with other settings \(total_batch_tokens 128 -> 64; .*\): its schedule "
                  r"and data order would not continue",
@@ -854,6 +862,8 @@ def make_bad_inputs(work: Path, data: Path) -> None:
     payload = {"model": model.state_dict(), "config": {"class": type(config).__name__, **dataclasses.asdict(config)}}
     ckpt.save_checkpoint(work / "tiny", 1, {**payload, "tokenizer_fingerprint": meta["fingerprint"]})
     ckpt.save_checkpoint(work / "cache" / "checkpoints" / "some-run", 1, payload)
+    (work / "unreadable").mkdir()
+    (work / "unreadable" / "step_00000003.pt").write_bytes(b"not a checkpoint")  # what a disk error may leave
     # a Hugging Face folder whose model has 1,024 token rows but whose tokenizer (the data's) has 512
     from safetensors.torch import load_file, save_file
 
