@@ -364,7 +364,7 @@ class Study:
 
     def record(self, run: Run) -> RunRecord | None:
         """The run's record once it has finished; None before (a run that stopped midway resumes)."""
-        path = self.run_dir(run) / f"{self.grid.name}-{run.name}.json"
+        path = self.run_dir(run) / f"{self.tag(run.name)}.json"
         if run in self.finished or not path.is_file():
             return self.finished.get(run)
         record = RunRecord.load(path)
@@ -390,12 +390,16 @@ class Study:
         record = self.record(run)
         return record.final_val.val_bpb if record else None
 
+    def tag(self, run_name: str) -> str:
+        """The run's name in base_train (--tag): its record's and its lock's name in <out>/reports."""
+        return f"{self.grid.name}-{run_name}"
+
     def argv(self, run: Run) -> list[str]:
         """base_train's flags for one run: the grid's, the architecture's, then what the study owns."""
         grid = self.grid
         flags = [*grid.args, *self.archs[run.arch].args, "--config", run.size, "--data-dir", str(grid.data_dir),
                  "--seed", str(run.seed), "--lr", repr(run.lr), "--target-flops", repr(run.budget), "--tag",
-                 f"{grid.name}-{run.name}", "--out-dir", str(self.run_dir(run)), "--resume", "auto"]  # fmt: skip
+                 self.tag(run.name), "--out-dir", str(self.run_dir(run)), "--resume", "auto"]  # fmt: skip
         return flags + (["--deterministic"] if self.deterministic and not run.variant.startswith("-nondet") else [])
 
     def plan(self) -> list[Run]:
@@ -629,7 +633,7 @@ def execute(study: Study, launcher: LocalPool | SlurmLauncher, deadline: float |
     for run_dir in sorted((study.out / "runs").glob("*/")):  # what runs killed with an earlier study left behind
         if run_dir.name not in in_flight:
             remove_leftovers(run_dir)
-            remove_leftovers(study.out / "reports", prefix=f"{run_dir.name}.")
+            remove_leftovers(study.out / "reports", prefix=f"{study.tag(run_dir.name)}.")
     attempts: dict[Run, int] = {}
     failed: dict[Run, str] = {}
     signals: list[int] = []

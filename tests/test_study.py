@@ -450,11 +450,13 @@ def interrupted_study(demo_home: Path, tmp_path_factory: pytest.TempPathFactory)
     stopped, printed = [], ""
     for how in ("SIGTERM", "kill -9", None):
         if how is None:  # what a run killed between its last write and its exit leaves, in a finished run's folders
-            finished = next(p.parent for p in out.glob("runs/*/*.json") if json.loads(p.read_text()).get("finished"))
+            record = next(p for p in out.glob("runs/*/*.json") if json.loads(p.read_text()).get("finished"))
+            finished, tag = record.parent, json.loads(record.read_text())["run"]  # the run's folder, its --tag
             dead = 2**22 + 1  # above Linux's largest pid: no such process
-            for leftover in (finished / locks.LOCK_NAME, out / "reports" / f".{finished.name}.lock"):
+            for leftover in (finished / locks.LOCK_NAME, out / "reports" / f".{tag}.lock"):
                 leftover.write_text(json.dumps({"pid": dead, "host": socket.gethostname()}))
-            (finished / f".{finished.name}_loss.png.{dead}.tmp").touch()
+            (finished / f".{tag}_loss.png.{dead}.tmp").touch()
+            (out / "reports" / f".{tag}.json.{dead}.tmp").touch()
         process = subprocess.Popen(command, cwd=work, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)  # fmt: skip
         if how is None:
